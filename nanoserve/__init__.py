@@ -1,0 +1,23 @@
+"""nanoserve: a compact LLM inference and serving engine.
+
+Offline use::
+
+    from nanoserve import LLM, SamplingParams
+    llm = LLM("smollm2-135m")
+    print(llm.generate("The capital of France is", SamplingParams(temperature=0))[0].outputs[0].text)
+"""
+
+from nanoserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from nanoserve.sampling_params import SamplingParams
+
+
+def __getattr__(name):
+    # Importing the engine pulls in torch and transformers; do it only when LLM is used.
+    if name == "LLM":
+        from nanoserve.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TokenLogprobs"]

@@ -1,0 +1,85 @@
+"""The attention-backend interface and the per-batch metadata every backend reads.
+
+Owns: `AttentionMetadata` (what a batch tells attention: where each request's new
+tokens sit in the flattened query, how long each request's KV is, which pages hold
+it, which cache slots the new tokens' K/V go to) and the `AttentionBackend` base
+class.
+
+Invariants of a batch's metadata (B requests, T new tokens in all):
+- requests are laid out one after another in q/k/v: request i owns rows
+  cu_query_lens[i]:cu_query_lens[i+1];
+- seq_lens[i] = prefix_lens[i] + (cu_query_lens[i+1] - cu_query_lens[i]); the new tokens
+  are the last positions of the request's sequence, so token j of request i sits at
+  position prefix_lens[i] + j and attends causally to positions 0..prefix_lens[i] + j;
+- the K/V of position p of request i lives in cache slot
+  page_table[i, p // page_size] * page_size + p % page_size; slot_mapping[t] is that slot
+  for the t-th new token, and the backend writes the new K/V there before attending;
+- in a decode batch every request has exactly one new token (T == B).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    is_decode: bool
+    seq_lens: torch.Tensor  # int32 [B] on device: KV length after this step
+    prefix_lens: torch.Tensor  # int32 [B] on device: KV already cached before this step
+    cu_query_lens: torch.Tensor  # int32 [B+1] on device: offsets of new tokens in q
+    page_table: torch.Tensor  # int32 [B, max_pages] on device: pages of each request
+    slot_mapping: torch.Tensor  # int64 [T] on device: cache slot of each new token
+    # Host copies, known to the scheduler without a device sync. Eager paths may use
+    # them; code captured into CUDA graphs must not.
+    seq_lens_host: list[int]
+    prefix_lens_host: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens_host)
+
+
+class AttentionBackend(ABC):
+    """Stores new K/V into the paged cache and computes attention for one layer.
+
+    q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]; returns
+    [T, num_q_heads, head_dim] in q's dtype. k_cache / v_cache: [num_pages, page_size,
+    num_kv_heads, head_dim] (one pair per layer, owned by the KV cache).
+    """
+
+    name: str = "base"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Per-batch work shared by all layers (called once before the forward)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+@dataclass
+class ForwardBatch:
+    """What the model's attention layers need for one forward: the batch's metadata, the
+    backend that computes attention and the per-layer KV tensors (lists indexed by layer)."""
+
+    meta: AttentionMetadata
+    backend: AttentionBackend
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.backend.forward(q, k, v, self.k_caches[layer_id], self.v_caches[layer_id], self.meta, scale)

@@ -1,0 +1,70 @@
+"""Torch-native attention over the paged KV cache: the reference every fast kernel is
+tested against, and the backend used on CPU.
+
+Each batch is handled the same way whether it is a prefill, an extend with a cached
+prefix or a decode: gather every request's K/V from its pages into a padded
+[B, max_seq_len] block, pad the queries to [B, max_query_len], and run SDPA with a mask
+that is causal with respect to each request's prefix and hides the padding.
+Uses host-side lengths, so it is for eager execution only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.attention.base import AttentionBackend, AttentionMetadata
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write the new tokens' K/V into their cache slots."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, page_table: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """[B, max_seq_len, num_kv_heads, head_dim]: the first max_seq_len positions of every
+    request (positions past a request's length hold whatever its table points at)."""
+    page_size = cache.shape[1]
+    positions = torch.arange(max_seq_len, device=cache.device)
+    slots = page_table[:, positions // page_size].long() * page_size + positions % page_size
+    return cache.view(-1, cache.shape[2], cache.shape[3])[slots]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        # Which padded query cells are real tokens, and the mask; shared by all layers.
+        # Requests are contiguous in q, so q's rows fill the valid cells in order.
+        device = meta.seq_lens.device
+        num_reqs, max_q, max_s = meta.num_requests, meta.max_query_len, meta.max_seq_len
+        query_lens = (meta.seq_lens - meta.prefix_lens).long()
+        offsets = torch.arange(max_q, device=device)
+        self._valid_q = offsets[None, :] < query_lens[:, None]  # [B, max_q]
+        key_pos = torch.arange(max_s, device=device)
+        query_pos = meta.prefix_lens.long()[:, None] + offsets[None, :]  # [B, max_q]
+        causal = key_pos[None, None, :] <= query_pos[:, :, None]
+        in_seq = key_pos[None, None, :] < meta.seq_lens.long()[:, None, None]
+        self._mask = (causal & in_seq)[:, None]  # [B, 1, max_q, max_s]
+        self._shape = (num_reqs, max_q)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        num_reqs, max_q = self._shape
+        num_q_heads, head_dim = q.shape[1], q.shape[2]
+        group = num_q_heads // k_cache.shape[2]
+        keys = gather_kv(k_cache, meta.page_table, meta.max_seq_len)
+        values = gather_kv(v_cache, meta.page_table, meta.max_seq_len)
+        keys = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, S, D]
+        values = values.transpose(1, 2).repeat_interleave(group, dim=1)
+        padded_q = q.new_zeros(num_reqs, max_q, num_q_heads, head_dim)
+        padded_q[self._valid_q] = q
+        out = F.scaled_dot_product_attention(
+            padded_q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=self._mask, scale=scale
+        )
+        out = out.transpose(1, 2)[self._valid_q]  # [T, Hq, D], rows in request order
+        return out

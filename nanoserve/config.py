@@ -1,0 +1,127 @@
+"""The one engine configuration, built once from `LLM(...)` keyword arguments or CLI flags.
+
+Owns: `EngineConfig` (frozen; every field validated on construction), the CLI flags that
+set it (`add_engine_args` / `engine_config_from_args`), and the resolution of "auto"
+choices (device, dtype). Limits that depend on the machine (KV pages from free memory)
+are derived in one place, `nanoserve.engine.model_runner.plan_kv_capacity`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+import torch
+
+from nanoserve.models.registry import DEFAULT_MODEL
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None  # another model's tokenizer (a path or an alias)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    load_format: str = "auto"  # auto | dummy
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's context, capped by the KV cache
+    page_size: int = 16
+    chunked_prefill_size: int = 8192  # token budget of one prefill step
+    max_num_seqs: int = 256
+    memory_fraction: float = 0.9  # CUDA: share of free memory after weights for the KV cache
+    kv_cache_tokens: int | None = None  # explicit KV capacity in tokens (default on CPU: 1 GiB)
+    kv_cache_gib: float | None = None  # explicit KV capacity in GiB
+    attention_backend: str = "auto"  # auto | torch | triton
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    cuda_graph_max_bs: int | None = None
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+        object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))
+        need(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", f"must be auto or one of {sorted(_DTYPES)}")
+        need(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
+        need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device", "must be auto, cpu or cuda")
+        need(self.page_size >= 1, "page_size", "must be >= 1")
+        need(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
+        need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
+        need(0 < self.memory_fraction <= 1, "memory_fraction", "must be in (0, 1]")
+        need(self.kv_cache_tokens is None or self.kv_cache_tokens >= 2 * self.page_size, "kv_cache_tokens", "must hold at least 2 pages")
+        need(self.kv_cache_gib is None or self.kv_cache_gib > 0, "kv_cache_gib", "must be > 0")
+        need(self.attention_backend in ("auto", "torch", "triton"), "attention_backend", "must be auto, torch or triton")
+        need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "must be >= 0")
+        need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+
+    @staticmethod
+    def create(model: str = DEFAULT_MODEL, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: {sorted(known)}")
+        return EngineConfig(model=model, **kwargs)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but torch sees no CUDA GPU")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.torch_device().type == "cpu":
+            return torch.float32  # CPU half-precision matmuls are slow and less exact
+        return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("float16", "bfloat16") else torch.bfloat16
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--tokenizer", default=None, help="use another model's tokenizer")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--chunked-prefill-size", type=int, default=8192)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--memory-fraction", type=float, default=0.9)
+    g.add_argument("--kv-cache-tokens", type=int, default=None)
+    g.add_argument("--kv-cache-gib", type=float, default=None)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        page_size=args.page_size,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_num_seqs=args.max_num_seqs,
+        memory_fraction=args.memory_fraction,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_gib=args.kv_cache_gib,
+        attention_backend=args.attention_backend,
+        enable_prefix_caching=not args.no_prefix_cache,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        tensor_parallel_size=args.tp,
+    )

@@ -1,0 +1,99 @@
+"""KV storage and page ownership.
+
+Owns: the preallocated per-layer K/V tensors (`KVCache`) and the page allocator
+(`PageAllocator`).
+
+Layout: each layer has k and v of shape [num_pages, page_size, num_kv_heads, head_dim];
+a cache slot is page * page_size + offset.
+
+Invariants of the allocator:
+- every page is either free (refcount 0, on the free list exactly once) or owned
+  (refcount >= 1, not on the free list);
+- a page's refcount is the number of holders (requests sharing it, the prefix cache);
+  a page returns to the free list when its last holder releases it;
+- page 0 is reserved (never handed out): padded or dummy work writes there, so its
+  contents are garbage and no request ever reads it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def copy_page(self, src: int, dst: int) -> None:
+        for cache in (*self.k, *self.v):
+            cache[dst].copy_(cache[src])
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PageAllocator:
+    RESERVED_PAGE = 0
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError("the KV cache needs at least 2 pages (one is reserved)")
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(1, num_pages))
+        self._refcount = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable(self) -> int:
+        """Pages that requests can ever hold (all but the reserved one)."""
+        return self.num_pages - 1
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._refcount[p] = 1
+        return pages
+
+    def retain(self, pages: list[int]) -> None:
+        """Add a holder to pages that are already owned."""
+        for p in pages:
+            if self._refcount[p] <= 0:
+                raise RuntimeError(f"retain of free page {p}")
+            self._refcount[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one holder from each page; pages with no holder left become free."""
+        for p in pages:
+            if self._refcount[p] <= 0:
+                raise RuntimeError(f"double free of page {p}")
+            self._refcount[p] -= 1
+            if self._refcount[p] == 0:
+                self._free.append(p)
+
+    def refcount(self, page: int) -> int:
+        return self._refcount[page]

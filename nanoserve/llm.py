@@ -1,0 +1,143 @@
+"""The offline API: `LLM(model, **engine_args).generate(prompts, SamplingParams)`.
+
+Owns: turning prompts (text, token ids or chat conversations) into engine requests, driving
+the engine until they finish, detokenizing and applying stop strings, and returning
+`RequestOutput`s in input order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from nanoserve.config import EngineConfig
+from nanoserve.detokenizer import SampleDetokenizer
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.models.registry import DEFAULT_MODEL
+from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, *, config: EngineConfig | None = None, **engine_args):
+        """Engine arguments are EngineConfig's fields; or pass a ready `config`."""
+        self.config = config if config is not None else EngineConfig.create(model, **engine_args)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    # ---- prompts -----------------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token-id prompts or tokenizer=")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise TypeError("a prompt is a string or a list of token ids")
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        encoded = [self._encode(p) for p in prompts]
+        for _, ids in encoded:  # reject a bad prompt before anything is queued
+            self.engine.validate_prompt(ids)
+        return self._run(encoded, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        texts = [
+            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+            for c in conversations
+        ]
+        # The template already holds the special tokens: encode without adding more.
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outputs = self.generate(ids, sampling_params, use_tqdm)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def _run(self, encoded, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        detoks: dict[tuple[str, int], SampleDetokenizer | None] = {}
+        order = []
+        for (text, ids), p in zip(encoded, params):
+            rid = str(next(self._ids))
+            order.append(rid)
+            results[rid] = RequestOutput(rid, text, ids)
+            results[rid].outputs = [CompletionOutput(i, "", [], None) for i in range(p.n)]
+            for i in range(p.n):
+                detoks[(rid, i)] = SampleDetokenizer(self.tokenizer, ids, p) if self.tokenizer else None
+            self.engine.add_request(rid, ids, p)
+        remaining = sum(p.n for p in params)
+        bar = tqdm(total=remaining, desc="generating", disable=not use_tqdm)
+        try:
+            while remaining:
+                for up in self.engine.step():
+                    out = results[up.request_id]
+                    sample = out.outputs[up.index]
+                    out.num_cached_tokens = up.num_cached_tokens
+                    if sample.finish_reason is not None:
+                        continue  # stopped by a stop string; its abort echo is dropped
+                    sample.token_ids.extend(up.new_token_ids)
+                    if up.new_logprobs is not None:
+                        sample.logprobs = (sample.logprobs or []) + up.new_logprobs
+                    detok = detoks[(up.request_id, up.index)]
+                    if detok is not None:
+                        detok.append(up.new_token_ids)
+                        if detok.stopped:
+                            sample.finish_reason, sample.stop_reason = "stop", detok.stop_reason
+                            self.engine.abort_request(up.request_id, up.index)
+                        elif up.finished:
+                            detok.flush()
+                        sample.text = detok.text
+                    if sample.finish_reason is None and up.finished:
+                        sample.finish_reason = up.finish_reason
+                        if up.finish_reason == "stop" and sample.token_ids:
+                            sample.stop_reason = sample.token_ids[-1]
+                    if sample.finish_reason is not None:
+                        remaining -= 1
+                        bar.update(1)
+        except BaseException:
+            for rid in order:  # leave nothing behind in the engine if interrupted
+                self.engine.abort_request(rid)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        finally:
+            bar.close()
+        # Drain the abort echoes of stop-string samples so the engine is idle.
+        while self.engine.has_unfinished_requests() and not self.engine.scheduler.has_work():
+            self.engine.step()
+        for out in results.values():
+            out.finished = True
+        return [results[rid] for rid in order]
+
+    def stats(self) -> dict:
+        return self.engine.stats()

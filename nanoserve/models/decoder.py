@@ -1,0 +1,150 @@
+"""One decoder for the Llama family (Llama 2/3/3.1, SmolLM2, dense Mistral), Qwen2 (bias
+on q/k/v) and Qwen3 (per-head RMSNorm on q and k).
+
+Owns: the `DecoderLM` module tree and the map from Hugging Face parameter names to ours.
+Parameter names follow Hugging Face's, except that q/k/v are merged into `qkv_proj` and
+gate/up into `gate_up_proj` (one matmul each); `checkpoint_target` says where a checkpoint
+tensor goes.
+
+Data flow is explicit: `forward(input_ids, positions, batch)` takes the flattened new
+tokens of all requests, their positions, and the `ForwardBatch` that carries attention
+metadata, backend and KV cache down to every attention layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.attention.base import ForwardBatch
+from nanoserve.distributed import SINGLE, TPGroup
+from nanoserve.models.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    RowSlice,
+    VocabParallelEmbedding,
+)
+from nanoserve.models.model_config import ModelConfig
+
+
+def kv_heads_per_rank(cfg: ModelConfig, tp: TPGroup) -> int:
+    """KV heads are split across ranks, or replicated when there are fewer than ranks."""
+    if cfg.num_kv_heads >= tp.size:
+        if cfg.num_kv_heads % tp.size:
+            raise ValueError(f"num_key_value_heads {cfg.num_kv_heads} not divisible by tp size {tp.size}")
+        return cfg.num_kv_heads // tp.size
+    if tp.size % cfg.num_kv_heads:
+        raise ValueError(f"tp size {tp.size} not a multiple of num_key_value_heads {cfg.num_kv_heads}")
+    return 1
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
+        super().__init__()
+        self.layer_id = layer_id
+        d = cfg.head_dim
+        self.num_heads = cfg.num_heads // tp.size
+        self.num_kv_heads = kv_heads_per_rank(cfg, tp)
+        if cfg.num_kv_heads >= tp.size:
+            kv = [RowSlice.split(name, cfg.num_kv_heads * d, tp) for name in ("k", "v")]
+        else:  # replicated: rank r serves KV head r * num_kv_heads // tp.size
+            head = tp.rank * cfg.num_kv_heads // tp.size
+            kv = [RowSlice(name, head * d, d) for name in ("k", "v")]
+        q = RowSlice.split("q", cfg.num_heads * d, tp)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, *kv], bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=False, tp=tp)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.head_dim = d
+        self.scale = d**-0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryEmbedding):
+        tokens, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q = q.view(tokens, self.num_heads, d)
+        k = k.view(tokens, self.num_kv_heads, d)
+        v = v.view(tokens, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = batch.attend(self.layer_id, q, k, v, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        parts = [RowSlice.split(name, cfg.intermediate_size, tp) for name in ("gate", "up")]
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, parts, bias=False)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, tp)
+        self.mlp = MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, batch, rotary):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch, rotary)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.config = cfg
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every new token."""
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch, self.rotary)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden)
+
+    def checkpoint_target(self, hf_name: str) -> tuple[str, str | None] | None:
+        """(our parameter name, shard id) for a Hugging Face checkpoint tensor name, or
+        None for tensors we do not use (e.g. rotary caches, a tied lm_head copy)."""
+        name = hf_name.removeprefix("model.")
+        if "rotary_emb" in name:
+            return None
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        for src, dst, shard in (
+            ("self_attn.q_proj", "self_attn.qkv_proj", "q"),
+            ("self_attn.k_proj", "self_attn.qkv_proj", "k"),
+            ("self_attn.v_proj", "self_attn.qkv_proj", "v"),
+            ("mlp.gate_proj", "mlp.gate_up_proj", "gate"),
+            ("mlp.up_proj", "mlp.gate_up_proj", "up"),
+        ):
+            if src in name:
+                return name.replace(src, dst), shard
+        return name, None

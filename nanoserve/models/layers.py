@@ -1,0 +1,188 @@
+"""Building blocks of the decoder, written so that tensor parallelism can shard them.
+
+Owns: RMSNorm, rotary embedding (default, linear and llama3 scaling), column- and
+row-parallel linears, the vocab-parallel embedding and LM head.
+
+Sharding invariants (rank r of a group of size N):
+- a column-parallel linear holds rows [r*out/N, (r+1)*out/N) of every merged part
+  (q/k/v or gate/up), so each rank computes its own heads / intermediate slice;
+- a row-parallel linear holds the matching input columns and all-reduces its output;
+  its bias (if any) is added once, after the reduction;
+- the embedding holds vocabulary rows [r*V/N, (r+1)*V/N); lookups outside the slice give
+  zeros and the all-reduce fills them in; the LM head gathers the logit slices.
+Each parameter carries a `weight_loader(param, full_tensor, shard_id)` that cuts the
+rank's slice out of a full checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.distributed import SINGLE, TPGroup
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With `residual`, adds it first and returns (normed, sum) so the sum can be the
+        next residual; this is the fusion point for a fused kernel."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: long wavelengths slowed down by `factor`, short ones kept, a smooth ramp between.
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate-half), cos/sin precomputed per position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, head_dim/2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hk, D]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    cos = torch.cat((cos, cos), dim=-1).to(x.dtype)
+    sin = torch.cat((sin, sin), dim=-1).to(x.dtype)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _shard(size: int, tp: TPGroup, what: str) -> int:
+    if size % tp.size:
+        raise ValueError(f"{what} ({size}) is not divisible by the tensor-parallel size {tp.size}")
+    return size // tp.size
+
+
+@dataclass(frozen=True)
+class RowSlice:
+    """The rows of one checkpoint tensor (a merged part such as "q" or "gate") that this
+    rank keeps: full[offset : offset + size]."""
+
+    name: str | None
+    offset: int
+    size: int
+
+    @staticmethod
+    def split(name: str | None, full_size: int, tp: TPGroup) -> "RowSlice":
+        size = _shard(full_size, tp, f"output size of {name or 'linear'}")
+        return RowSlice(name, tp.rank * size, size)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) for one or several merged outputs (q/k/v, gate/up), each part
+    holding the rows given by its RowSlice; the output is the parts concatenated."""
+
+    def __init__(self, input_size: int, parts: list[RowSlice], bias: bool):
+        super().__init__()
+        self.parts = parts
+        rows = sum(p.size for p in parts)
+        self.weight = nn.Parameter(torch.empty(rows, input_size))
+        self.bias = nn.Parameter(torch.empty(rows)) if bias else None
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, full: torch.Tensor, shard_id: str | None) -> None:
+        start = 0
+        for part in self.parts:
+            if part.name == shard_id:
+                param.data[start : start + part.size].copy_(full[part.offset : part.offset + part.size])
+                return
+            start += part.size
+        raise KeyError(f"no part {shard_id!r} in this linear")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(output_size, _shard(input_size, tp, "row-parallel input")))
+        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+        self.weight.weight_loader = self._load_weight
+        if self.bias is not None:
+            self.bias.weight_loader = lambda p, full, shard_id: p.data.copy_(full)
+
+    def _load_weight(self, param: nn.Parameter, full: torch.Tensor, shard_id: str | None) -> None:
+        cols = param.shape[1]
+        param.data.copy_(full[:, self.tp.rank * cols : (self.tp.rank + 1) * cols])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows = math.ceil(vocab_size / tp.size)
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, dim))
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, full: torch.Tensor, shard_id: str | None) -> None:
+        part = full[self.start : self.start + self.rows]
+        param.data.zero_()
+        param.data[: part.shape[0]].copy_(part)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.rows)
+        out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the vocabulary; may share its weight with the embedding (tied)."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = F.linear(hidden, self.weight)
+        out = self.tp.all_gather_last_dim(out)
+        return out[..., : self.vocab_size]

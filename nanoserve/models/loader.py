@@ -1,0 +1,187 @@
+"""Weight loading: builds a `DecoderLM` and fills it from safetensors, GGUF or dummy data.
+
+Owns: the three checkpoint readers (each yields Hugging Face-named full tensors) and
+`load_weights`, which routes every tensor through its parameter's `weight_loader` so the
+layers cut out their tensor-parallel slices.
+Invariant: after loading, every parameter was written exactly once (tied weights count
+once); a missing or unexpected tensor is an error, never silently left random.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from nanoserve.distributed import SINGLE, TPGroup
+from nanoserve.models.decoder import DecoderLM
+from nanoserve.models.model_config import ModelConfig
+from nanoserve.models.registry import ModelSource, gguf_metadata
+
+Checkpoint = Iterator[tuple[str, torch.Tensor]]
+
+
+def safetensors_checkpoint(directory: Path) -> Checkpoint:
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    for file in tqdm(files, desc="loading safetensors", disable=len(files) < 2):
+        with safe_open(str(directory / file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of q/k rows (interleaved rotary pairs) so the weights
+    work with rotate-half rotary, as in the Hugging Face checkpoint."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_checkpoint(path: Path, cfg: ModelConfig) -> Checkpoint:
+    from gguf.quants import dequantize
+
+    _, reader = gguf_metadata(path)
+    for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", leave=False):
+        weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
+        parts = tensor.name.split(".")
+        if parts[0] == "blk":
+            layer, kind, suffix = parts[1], parts[2], parts[3]
+            name = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
+            if cfg.model_type == "llama" and kind in ("attn_q", "attn_k"):
+                weight = _unpermute_rope(weight, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
+        else:
+            name = {
+                "token_embd.weight": "model.embed_tokens.weight",
+                "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight",
+            }[tensor.name]
+        yield name, weight
+
+
+def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of this architecture holds, with its shape."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for proj, rows in (("q_proj", cfg.num_heads * d), ("k_proj", cfg.num_kv_heads * d), ("v_proj", cfg.num_kv_heads * d)):
+            shapes[p + f"self_attn.{proj}.weight"] = (rows, h)
+            if cfg.qkv_bias:
+                shapes[p + f"self_attn.{proj}.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * d)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+    return shapes
+
+
+def dummy_checkpoint(cfg: ModelConfig, seed: int, device: torch.device, dtype: torch.dtype) -> Checkpoint:
+    """Random full tensors, each a function of (seed, name) alone, so every rank and every
+    run with the same seed on the same device type sees the same weights.
+
+    Scales keep activations of order one through the layers (uniform with variance
+    1/fan_in for matrices, norms near 1), so logits are peaked as in trained models."""
+    for name, shape in hf_parameter_shapes(cfg).items():
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        values = torch.rand(shape, generator=gen, device=device, dtype=torch.float32) * 2 - 1
+        if name.endswith("norm.weight"):
+            values = 1 + 0.1 * values
+        elif name.endswith(".bias"):
+            values = 0.1 * values
+        elif "embed_tokens" not in name:
+            values = values * (3.0 / shape[-1]) ** 0.5
+        yield name, values.to(dtype)
+
+
+def load_weights(model: DecoderLM, checkpoint: Checkpoint) -> None:
+    params = dict(model.named_parameters())
+    expected = set(params)
+    loaded: set[str] = set()
+    for hf_name, tensor in checkpoint:
+        target = model.checkpoint_target(hf_name)
+        if target is None:
+            continue
+        name, shard = target
+        if name not in params:
+            raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model ({name!r})")
+        param = params[name]
+        loader = getattr(param, "weight_loader", None)
+        tensor = tensor.to(device=param.device, dtype=param.dtype)
+        if loader is not None:
+            loader(param, tensor, shard)
+        else:
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"shape mismatch for {hf_name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
+            param.data.copy_(tensor)
+        loaded.add(name if shard is None else f"{name}:{shard}")
+    needed = set()
+    for name in expected:
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        parts = getattr(module, "parts", None)
+        needed |= {f"{name}:{p.name}" for p in parts} if parts and parts[0].name else {name}
+    missing = needed - loaded
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
+
+
+def build_model(
+    source: ModelSource,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    max_positions: int,
+    tp: TPGroup = SINGLE,
+) -> DecoderLM:
+    cfg = source.config
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = DecoderLM(cfg, max_positions=max_positions, tp=tp)
+    finally:
+        torch.set_default_dtype(previous)
+    if load_format == "dummy":
+        checkpoint = dummy_checkpoint(cfg, seed, device, dtype)
+    elif source.kind == "hf":
+        checkpoint = safetensors_checkpoint(source.path)
+    elif source.kind == "gguf":
+        checkpoint = gguf_checkpoint(source.path, cfg)
+    else:
+        raise ValueError(f"model {cfg.name!r} is a bundled config without weights: use load_format='dummy'")
+    with torch.no_grad():
+        load_weights(model, checkpoint)
+    return model.eval()

@@ -1,0 +1,113 @@
+"""Architecture hyperparameters, normalised from a Hugging Face config.
+
+Owns: `ModelConfig`, the one description of a decoder that the model, the weight loader
+and the KV cache read. Built from a config.json dict (transformers 4.x field names such as
+`rope_theta`/`rope_scaling`, or 5.x `rope_parameters`), whatever the source of the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# model_type -> (our decoder family, bias on q/k/v, per-head q/k RMSNorm)
+_FAMILIES = {
+    "llama": ("llama", False, False),
+    "mistral": ("llama", False, False),
+    "qwen2": ("qwen2", True, False),
+    "qwen3": ("qwen3", False, True),
+}
+
+_SUPPORTED_ROPE = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    torch_dtype: str | None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @staticmethod
+    def from_hf_dict(cfg: dict, name: str = "") -> "ModelConfig":
+        model_type = cfg.get("model_type", "")
+        if model_type not in _FAMILIES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}: nanoserve runs {sorted(_FAMILIES)} (Llama, Mistral, Qwen2, Qwen3)"
+            )
+        family, qkv_bias, qk_norm = _FAMILIES[model_type]
+        if family == "llama":
+            qkv_bias = bool(cfg.get("attention_bias", False))
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported")
+        rope_theta, rope_scaling = _rope_fields(cfg)
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        max_pos = cfg.get("max_position_embeddings", 4096)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        if window:
+            # No sliding-window attention here: stay within the window, where full
+            # attention computes the same thing.
+            max_pos = min(max_pos, window)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return ModelConfig(
+            name=name,
+            model_type=model_type,
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=head_dim,
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            hf_config=dict(cfg),
+        )
+
+    def with_eos(self, eos_ids) -> "ModelConfig":
+        merged = tuple(dict.fromkeys([*self.eos_token_ids, *eos_ids]))
+        return ModelConfig(**{**self.__dict__, "eos_token_ids": merged})
+
+
+def _rope_fields(cfg: dict) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from either config generation's fields."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = params["rope_theta"]
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        scaling = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in _SUPPORTED_ROPE:
+            raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: {_SUPPORTED_ROPE}")
+        scaling["rope_type"] = rope_type
+        if rope_type == "default":
+            scaling = None
+    return float(theta), scaling

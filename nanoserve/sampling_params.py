@@ -1,0 +1,86 @@
+"""Per-request sampling and stopping parameters, validated at construction.
+
+Every field is checked in `__post_init__`; a bad value raises ValueError naming the field,
+so nothing invalid ever reaches the engine loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top log-probabilities per output position
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_num(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        need(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        need(is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 (off) or >= 1")
+        need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        need(self.seed is None or is_int(self.seed), "seed", "must be an integer or None")
+        need(is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        need(
+            is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+        )
+        need(
+            is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+            "repetition_penalty",
+            "must be in (0, 2]",
+        )
+        need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", "must be >= 1")
+        need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None:
+            need(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        need(
+            stops is None or (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)),
+            "stop",
+            "must be a non-empty string or a list of them",
+        )
+        self.stop_strings = list(stops or [])
+        need(
+            self.stop_token_ids is None
+            or (isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids)),
+            "stop_token_ids",
+            "must be a list of non-negative integers",
+        )
+        need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
+        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", "must be in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
