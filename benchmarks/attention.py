@@ -1,0 +1,227 @@
+"""Attention kernel benchmark (run on a GPU machine): `python benchmarks/attention.py [--sweep]`.
+
+Measures in one run:
+- the copy ceiling: a 1 GiB device-to-device copy, bytes read plus written over time;
+- decode (Triton paged decode, split + reduce kernels, store excluded): KV bytes read over time,
+  head_dim 128, 32 query heads over 8 kv heads, bf16, page_size 16, shuffled pages, for batch
+  {8, 64, 128, 256} x context {1k, 2k, 4k, 8k}, as % of the copy ceiling;
+- extend: TFLOP/s (causal pairs only) of the Triton extend kernel and torch's FlashAttention-2
+  varlen at 4 x 2048 new tokens without prefix, and with a 2048-token prefix + 512 new tokens per
+  request (FA2 there reads a contiguous K/V of the same lengths, for comparison only).
+Decode is timed as the engine runs it, in a CUDA graph of back-to-back calls rotating over
+KV copies that together exceed 4x the L2 (median of 20 replays); the eager time
+(triton.testing.do_bench, L2 flushed before each call, CPU launch cost can show) is listed too.
+Extend times are do_bench medians (warm-up, L2 flushed before every call).
+Prints a markdown table at the end and writes it to $OUT/attention.md when OUT is set.
+`--sweep` first times decode split counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from nanoserve.attention import triton_kernels as tk  # noqa: E402
+
+DEV = "cuda"
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DT = torch.bfloat16
+
+
+def bench(fn) -> float:
+    """Median milliseconds."""
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def graph_ms(calls: list) -> float:
+    """Median milliseconds per call of `calls` captured back to back in one CUDA graph (how the
+    engine runs decode: no CPU launch cost, ~1 us between kernels), over 20 replays."""
+    for fn in calls:
+        fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def copy_ceiling() -> float:
+    n = 1 << 29  # 1 GiB of bf16
+    src = torch.randn(n, device=DEV, dtype=DT)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n * 2 / ms / 1e9  # TB/s
+
+
+def decode_case(batch: int, ctx: int, gen: torch.Generator):
+    pages_per_req = ctx // PAGE
+    num_pages = 1 + batch * pages_per_req
+    k_cache = torch.randn(num_pages, PAGE, HKV, D, device=DEV, dtype=DT, generator=gen)
+    v_cache = torch.randn(num_pages, PAGE, HKV, D, device=DEV, dtype=DT, generator=gen)
+    perm = torch.randperm(num_pages - 1, device=DEV, generator=gen) + 1
+    page_table = perm.view(batch, pages_per_req).to(torch.int32)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    q = torch.randn(batch, HQ, D, device=DEV, dtype=DT, generator=gen)
+    return q, k_cache, v_cache, page_table, seq_lens
+
+
+def time_decode(batch: int, ctx: int, gen: torch.Generator, num_splits: int | None = None) -> tuple[float, float, int]:
+    """(graph ms, eager do_bench ms, splits). The graph rotates over enough KV copies that
+    together they exceed 4x the L2, so each call reads its KV from memory."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    copies = min(8, max(1, -(-4 * l2 // decode_bytes(batch, ctx))))
+    cases = [decode_case(batch, ctx, gen) for _ in range(copies)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = num_splits or tk.choose_num_splits(batch, HKV, ctx, sms, 32)
+    ws = torch.empty(tk.workspace_numel(batch, HQ, D, splits), device=DEV, dtype=torch.float32)
+    out = torch.empty_like(cases[0][0])
+
+    def call(case):
+        q, kc, vc, pt, sl = case
+        return lambda: tk.paged_decode(q, kc, vc, pt, sl, D**-0.5, splits, ws, out)
+
+    calls = [call(c) for c in cases] * max(1, 8 // copies)
+    g_ms = graph_ms(calls)
+    e_ms = bench(calls[0])
+    del cases, ws, out, calls
+    return g_ms, e_ms, splits
+
+
+def decode_bytes(batch: int, ctx: int) -> int:
+    return batch * ctx * HKV * D * 2 * 2
+
+
+def extend_case(num_reqs: int, prefix: int, new: int, gen: torch.Generator):
+    pages_per_req = triton.cdiv(prefix + new, PAGE)
+    num_pages = 1 + num_reqs * pages_per_req
+    kc = torch.randn(num_pages, PAGE, HKV, D, device=DEV, dtype=DT, generator=gen)
+    vc = torch.randn(num_pages, PAGE, HKV, D, device=DEV, dtype=DT, generator=gen)
+    perm = torch.randperm(num_pages - 1, device=DEV, generator=gen) + 1
+    pt = perm.view(num_reqs, pages_per_req).to(torch.int32)
+    total = num_reqs * new
+    q = torch.randn(total, HQ, D, device=DEV, dtype=DT, generator=gen)
+    k = torch.randn(total, HKV, D, device=DEV, dtype=DT, generator=gen)
+    v = torch.randn(total, HKV, D, device=DEV, dtype=DT, generator=gen)
+    cu = torch.arange(0, total + 1, new, dtype=torch.int32, device=DEV)
+    prefix_lens = torch.full((num_reqs,), prefix, dtype=torch.int32, device=DEV)
+    return q, k, v, kc, vc, cu, prefix_lens, pt
+
+
+def extend_flops(num_reqs: int, prefix: int, new: int) -> float:
+    pairs = new * prefix + new * (new + 1) / 2  # (query, key) pairs a causal kernel must do
+    return 4.0 * D * HQ * pairs * num_reqs
+
+
+def time_extend_triton(num_reqs: int, prefix: int, new: int, gen) -> float:
+    q, k, v, kc, vc, cu, pl, pt = extend_case(num_reqs, prefix, new, gen)
+    out = torch.empty_like(q)
+    return bench(lambda: tk.paged_extend(q, k, v, kc, vc, cu, pl, pt, new, D**-0.5, out))
+
+
+def time_fa2(num_reqs: int, prefix: int, new: int, gen) -> float:
+    total_q, total_k = num_reqs * new, num_reqs * (prefix + new)
+    q = torch.randn(total_q, HQ, D, device=DEV, dtype=DT, generator=gen)
+    k = torch.randn(total_k, HKV, D, device=DEV, dtype=DT, generator=gen)
+    v = torch.randn(total_k, HKV, D, device=DEV, dtype=DT, generator=gen)
+    cu_q = torch.arange(0, total_q + 1, new, dtype=torch.int32, device=DEV)
+    cu_k = torch.arange(0, total_k + 1, prefix + new, dtype=torch.int32, device=DEV)
+    fa = torch.ops.aten._flash_attention_forward
+    return bench(lambda: fa(q, k, v, cu_q, cu_k, new, prefix + new, 0.0, True, False, scale=D**-0.5))
+
+
+def check_extend_matches_fa2(gen) -> float:
+    """Relative difference of the Triton extend kernel and FA2 on one no-prefix batch."""
+    q, k, v, kc, vc, cu, pl, pt = extend_case(2, 0, 1000, gen)
+    out = torch.empty_like(q)
+    tk.paged_extend(q, k, v, kc, vc, cu, pl, pt, 1000, D**-0.5, out)
+    ref = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, 1000, 1000, 0.0, True, False, scale=D**-0.5)[0]
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def sweep(gen, ceiling: float) -> None:
+    print("## decode split sweep, CUDA-graph timing (% of copy)", flush=True)
+    for b, c in [(8, 1024), (8, 2048), (8, 4096), (16, 2048), (32, 2048), (64, 1024)]:
+        res = []
+        for s in (1, 2, 4, 6, 8, 12, 16):
+            ms, _, _ = time_decode(b, c, gen, num_splits=s)
+            res.append(f"s{s}:{decode_bytes(b, c) / ms / 1e9 / ceiling * 100:.0f}%")
+        print(f"decode splits b{b} c{c}: " + " ".join(res), flush=True)
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    name = torch.cuda.get_device_name(0)
+    print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    ceiling = copy_ceiling()
+    print(f"copy ceiling: {ceiling:.2f} TB/s", flush=True)
+    if args.sweep:
+        sweep(gen, ceiling)
+
+    rows = [f"Device: {name}; copy ceiling {ceiling:.2f} TB/s (1 GiB D2D copy, read+write)", ""]
+    rows += ["| decode batch | ctx | splits | graph us | KV TB/s | % of copy | target | eager us (do_bench) |"]
+    rows += ["|---|---|---|---|---|---|---|---|"]
+    for batch in (8, 64, 128, 256):
+        for ctx in (1024, 2048, 4096, 8192):
+            ms, eager_ms, splits = time_decode(batch, ctx, gen)
+            tbs = decode_bytes(batch, ctx) / ms / 1e9
+            pct = tbs / ceiling * 100
+            target = 75 if batch >= 64 else (60 if ctx == 2048 else None)
+            verdict = "-" if target is None else (f">= {target}%: " + ("met" if pct >= target else "MISSED"))
+            rows.append(
+                f"| {batch} | {ctx} | {splits} | {ms * 1e3:.1f} | {tbs:.2f} | {pct:.0f}% | {verdict} "
+                f"| {eager_ms * 1e3:.1f} |"
+            )
+            print(rows[-1], flush=True)
+            torch.cuda.empty_cache()
+
+    diff = check_extend_matches_fa2(gen)
+    print(f"extend vs FA2 relative difference: {diff:.2e}", flush=True)
+    rows += ["", "| extend (bf16, 32/8 heads, d128) | Triton TFLOP/s | FA2 TFLOP/s | Triton / FA2 |"]
+    rows += ["|---|---|---|---|"]
+    for num_reqs, prefix, new in ((4, 0, 2048), (4, 2048, 512)):
+        flops = extend_flops(num_reqs, prefix, new)
+        t_tr = flops / time_extend_triton(num_reqs, prefix, new, gen) / 1e9
+        t_fa = flops / time_fa2(num_reqs, prefix, new, gen) / 1e9
+        label = f"{num_reqs} x {new} new" + (f" + {prefix} prefix" if prefix else ", no prefix")
+        note = " (target >= 60%: " + ("met" if t_tr >= 0.6 * t_fa else "MISSED") + ")" if prefix == 0 else ""
+        fa_label = f"{t_fa:.0f}" + (" (contiguous KV)" if prefix else "")
+        rows.append(f"| {label} | {t_tr:.0f} | {fa_label} | {t_tr / t_fa * 100:.0f}%{note} |")
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+
+    table = "\n".join(rows)
+    print("\n" + table)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "attention.md"), "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Triton attention backend: the fast path on CUDA (kernels in triton_kernels.py).
+
+Owns: the choice of kernel per batch (decode, extend with prefix, FA2 for prefix-free
+prefill), the decode split count, and the decode workspace.
+
+Invariants:
+- `prepare(meta)` reads host ints only (batch size, max lengths, whether any prefix exists)
+  and must be called once per batch before the layers' `forward`s;
+- the decode path (store + split kernel + reduce) does no host sync and allocates nothing
+  whose size depends on data: its grid is (B, num_kv_heads, num_splits), num_splits comes from
+  host ints in `prepare`, and the workspace grows only with that shape. For CUDA graphs, call
+  `reserve_decode_workspace` for the largest captured batch before capturing, and capture
+  with a meta whose max_seq_len is the largest context the graph will replay with (the split
+  count then stays fixed; each request's kernel work adapts to its own device-side length);
+- the output is a fresh [T, Hq, D] tensor in q's dtype (allocation sized by T, a host int).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.attention import triton_kernels as tk
+from nanoserve.attention.base import AttentionBackend, AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Args:
+    max_num_reqs: largest decode batch the workspace is first sized for (it grows lazily
+        on an eager call with a bigger shape).
+    max_splits: cap on decode splits per (request, kv head).
+    use_fa2: use torch's FlashAttention-2 varlen for prefill batches with no cached prefix
+        (bf16/fp16 on CUDA); otherwise the Triton extend kernel handles every prefill.
+    """
+
+    name = "triton"
+
+    def __init__(self, max_num_reqs: int = 256, max_splits: int = 32, use_fa2: bool = True):
+        self.max_num_reqs = max_num_reqs
+        self.max_splits = max_splits
+        self.use_fa2 = use_fa2
+        self._workspace: torch.Tensor | None = None
+        self._num_sms: dict[torch.device, int] = {}
+        self._num_splits = 1
+        self._no_prefix = False
+
+    # ------------------------------------------------------------------ per-batch state
+
+    def num_sms(self, device: torch.device) -> int:
+        if device not in self._num_sms:
+            if device.type == "cuda":
+                self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+            else:
+                self._num_sms[device] = 8  # interpreter: few programs, several splits still used
+        return self._num_sms[device]
+
+    def decode_num_splits(self, batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+        return tk.choose_num_splits(batch, num_kv_heads, max_seq_len, self.num_sms(device), self.max_splits)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        # Host-side decisions only. The decode split count needs the kv-head count, known at
+        # forward; it is computed there from host ints (B, meta.max_seq_len), no data read.
+        self._no_prefix = not any(meta.prefix_lens_host)
+
+    def reserve_decode_workspace(
+        self, max_batch: int, num_q_heads: int, head_dim: int, num_kv_heads: int, max_seq_len: int, device
+    ) -> None:
+        """Allocate the decode workspace for the largest batch/length before graph capture."""
+        worst = 0
+        for batch in range(1, max_batch + 1):
+            splits = self.decode_num_splits(batch, num_kv_heads, max_seq_len, torch.device(device))
+            if splits > 1:
+                worst = max(worst, tk.workspace_numel(batch, num_q_heads, head_dim, splits))
+        self._get_workspace(worst, torch.device(device))
+
+    def _get_workspace(self, numel: int, device: torch.device) -> torch.Tensor:
+        ws = self._workspace
+        if ws is None or ws.numel() < numel or ws.device != device:
+            ws = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
+            self._workspace = ws
+        return ws
+
+    # ------------------------------------------------------------------------- forward
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out: torch.Tensor | None = None):
+        """As the base class; `out` ([T, Hq, D], q's dtype, dense last dim) is an optional
+        preallocated result buffer (tests poison it to catch unwritten elements)."""
+        tk.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if not meta.is_decode and self._no_prefix and self.use_fa2 and q.is_cuda and q.dtype in _FA2_DTYPES:
+            result = _fa2_varlen(q, k, v, meta, scale)
+            return result if out is None else out.copy_(result)
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if meta.is_decode:
+            batch, num_q_heads, head_dim = q.shape
+            num_kv_heads = k_cache.shape[2]
+            splits = self.decode_num_splits(batch, num_kv_heads, meta.max_seq_len, q.device)
+            ws = None
+            if splits > 1:
+                ws = self._get_workspace(tk.workspace_numel(batch, num_q_heads, head_dim, splits), q.device)
+            return tk.paged_decode(q, k_cache, v_cache, meta.page_table, meta.seq_lens, scale, splits, ws, out)
+        return tk.paged_extend(
+            q, k, v, k_cache, v_cache, meta.cu_query_lens, meta.prefix_lens, meta.page_table,
+            meta.max_query_len, scale, out,
+        )
+
+
+_FA2_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _fa2_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Prefix-free prefill through torch's FlashAttention-2 (keys = the new tokens themselves)."""
+    cu = meta.cu_query_lens
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu, cu, meta.max_query_len, meta.max_query_len, 0.0, True, False, scale=scale
+    )[0]
+    return out

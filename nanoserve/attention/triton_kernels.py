@@ -1,0 +1,471 @@
+"""Triton kernels for attention over the paged KV cache, and their launchers.
+
+Owns three kernels and the host functions that launch them:
+- `store_kv`: writes the new tokens' K/V rows into their cache slots (one launch per layer);
+- `paged_decode`: one query token per request over its pages; split-KV ("flash decoding")
+  partial results in a caller-provided fp32 workspace, merged by a second reduce kernel;
+- `paged_extend`: the new tokens of several requests (varlen, causal among themselves) over
+  their cached prefix (read through the page table) and themselves (read from k/v directly).
+
+Conventions shared by all kernels (see base.py for the metadata invariants):
+- caches are [num_pages, page_size, num_kv_heads, head_dim] with the last three dims dense,
+  so cache slot s of head h starts at s * stride_slot + h * head_dim;
+- softmax runs in base 2: logits are multiplied by scale * log2(e) once, and the log-sum-exp
+  kept per split (`lse`) is in base 2 too;
+- accumulation is fp32 whatever the input dtype; P is cast to V's dtype before the PV product
+  (as FlashAttention does), so bf16/fp16 inputs use 16-bit tensor-core products, and fp32
+  inputs full-precision fp32 products (not tf32);
+- launchers read lengths and page tables from device tensors only (no host sync, no
+  data-dependent allocation), so decode and store can be captured in CUDA graphs; grids depend
+  only on host ints (batch size, head counts, split count, max query length).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Triton's interpreter runs each program in numpy: small blocks keep CPU tests fast and make
+# tiny shapes cross several blocks (pages, splits, causal tiles) so that the logic is exercised.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Launch configurations, keyed by head_dim bucket; benchmarks may override entries to sweep.
+# Tuned on an H200 for head_dim 128 (decode and extend); the 64 and 256 entries are untuned.
+DECODE_CONFIG: dict[str, int] = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+EXTEND_CONFIG: dict[int, dict[str, int]] = {
+    64: {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    128: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    256: {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+}
+INTERPRET_DECODE_CONFIG: dict[str, int] = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+INTERPRET_EXTEND_CONFIG: dict[str, int] = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+# Triton 3.9's interpreter computes bf16 tl.dot wrongly (fp16 and fp32 are right): under the
+# interpreter the kernels upcast dot operands to fp32. Compiled kernels never do.
+DOT_F32 = INTERPRET
+# A decode split never gets fewer tokens than this (a split's fixed cost is its launch slot
+# and the reduce's read of one partial row).
+MIN_SPLIT_TOKENS = 16 if INTERPRET else 256
+
+
+def _stages(cfg: dict[str, int], x: torch.Tensor) -> int:
+    """Pipeline depth: fp32 tiles are twice as large, so they get at most 2 stages of shared memory."""
+    return min(cfg["num_stages"], 2) if x.element_size() >= 4 else cfg["num_stages"]
+
+
+def _flat_cache(cache: torch.Tensor) -> tuple[int, int]:
+    """(stride of one slot, stride of one kv head) of a [pages, page_size, heads, dim] cache."""
+    if cache.stride(3) != 1 or cache.stride(2) != cache.shape[3] or cache.stride(0) != cache.shape[1] * cache.stride(1):
+        raise ValueError("KV cache must be dense in its last three dims")
+    return cache.stride(1), cache.stride(2)
+
+
+@triton.jit
+def _load_tile(ptrs, row_mask, d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROW_MASKED: tl.constexpr):
+    """Load a [rows, BLOCK_D] tile. Masks only what can be out of range (a head_dim that is not
+    a power of two, the ragged end of a row range), so that full tiles keep wide loads."""
+    if BLOCK_D == HEAD_DIM:
+        if ROW_MASKED:
+            x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    else:
+        if ROW_MASKED:
+            x = tl.load(ptrs, mask=row_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=d[None, :] < HEAD_DIM, other=0.0)
+    return x
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    # fp32 inputs get full fp32 products (not tf32): fp32 serving is the exactness path.
+    if UPCAST:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif a.dtype == tl.float32:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+# ------------------------------------------------------------------------------------ store
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kc_slot, stride_vc_slot,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # a negative slot marks a token whose K/V must not be kept
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+        t64 = t.to(tl.int64)
+        k = tl.load(k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+        v = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        dst = h[:, None] * HEAD_DIM + d[None, :]
+        tl.store(k_cache_ptr + slot * stride_kc_slot + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + slot * stride_vc_slot + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k/v [T, num_kv_heads, head_dim] into cache slots slot_mapping [T] (slots < 0 skipped)."""
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    assert k.stride(2) == 1 and v.stride(2) == 1, "k/v rows must be dense along head_dim"
+    kc_slot, _ = _flat_cache(k_cache)
+    vc_slot, _ = _flat_cache(v_cache)
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc_slot, vc_slot,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Tokens per split of one request: its length spread over the splits, in whole blocks.
+    Both decode kernels compute it the same way, so no split count travels between them."""
+    per_split = tl.cdiv(seq_len, num_splits)
+    per_split = tl.maximum(per_split, MIN_SPLIT)
+    return tl.cdiv(per_split, BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr,
+    out_ptr, part_ptr, lse_ptr,
+    stride_qt, stride_qh,
+    stride_kc_slot, stride_vc_slot,
+    stride_pt,
+    stride_ot, stride_oh,
+    num_splits, scale_log2,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # One program = one (request, kv head, split): the GROUP query heads sharing the kv head
+    # are the rows of one tile, so each K/V block is loaded once for the whole group.
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    # An empty split (start >= end) still writes: zeros and lse = -inf, which the reduce weighs 0,
+    # and in DIRECT mode an empty request gets zeros. Branch-free, and the cost is one row.
+    g = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    row_mask = g < GROUP
+    if BLOCK_D == HEAD_DIM:
+        d_mask = d < BLOCK_D  # all true: keeps the dim mask out of the vectorised loads
+    else:
+        d_mask = d < HEAD_DIM
+    b64 = b.to(tl.int64)
+    q = tl.load(
+        q_ptr + b64 * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table = page_table_ptr + b64 * stride_pt
+    k_base = k_cache_ptr + kvh * HEAD_DIM
+    v_base = v_cache_ptr + kvh * HEAD_DIM
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < end
+        page = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        slot = page * PAGE_SIZE + pos % PAGE_SIZE
+        k = _load_tile(k_base + slot[:, None] * stride_kc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
+        v = _load_tile(v_base + slot[:, None] * stride_vc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
+        qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32) * scale_log2
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    store_mask = row_mask[:, None] & d_mask[None, :]
+    if DIRECT:
+        tl.store(
+            out_ptr + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=store_mask,
+        )
+    else:
+        # workspace rows: [B, num_q_heads, num_splits, (HEAD_DIM | 1)]
+        row = (b64 * NUM_Q_HEADS + heads) * num_splits + split
+        tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=store_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(lse_ptr + row, lse, mask=row_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_ptr, lse_ptr, seq_lens_ptr, out_ptr,
+    stride_ot, stride_oh, num_splits,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+    num_active = tl.cdiv(seq_len, split_len)  # 0 for an empty (padding) request: writes zeros
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_active
+    d_mask = d < HEAD_DIM
+    row = (b.to(tl.int64) * NUM_Q_HEADS + h) * num_splits + s
+    lse = tl.load(lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(s_mask, tl.exp2(lse - m), 0.0)
+    part = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _decode_block_n(cfg: dict[str, int], head_dim: int, x: torch.Tensor) -> int:
+    """Tokens per K/V block: halved when a row is wider than 256 bytes (head_dim 256 in
+    16-bit, 128 in fp32) so that the pipelined tiles fit in shared memory."""
+    return cfg["BLOCK_N"] if head_dim * x.element_size() <= 256 else max(16, cfg["BLOCK_N"] // 2)
+
+
+def workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
+    """fp32 elements of decode workspace: partial outputs then their log-sum-exps."""
+    return batch * num_q_heads * num_splits * (head_dim + 1)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    workspace: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """out[b] = attention of q[b] ([B, Hq, D], one token per request) over the first
+    seq_lens[b] positions of request b's pages. With num_splits > 1, `workspace` (fp32, at
+    least workspace_numel(...) elements) holds the per-split partial results."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    assert q.stride(2) == 1 and out.stride(2) == 1
+    kc_slot, _ = _flat_cache(k_cache)
+    vc_slot, _ = _flat_cache(v_cache)
+    cfg = INTERPRET_DECODE_CONFIG if INTERPRET else DECODE_CONFIG
+    block_d = triton.next_power_of_2(head_dim)
+    block_n = _decode_block_n(cfg, block_d, k_cache)
+    direct = num_splits == 1
+    if direct:
+        part, lse = out, out  # unused
+    else:
+        assert workspace is not None and workspace.dtype == torch.float32
+        n_part = batch * num_q_heads * num_splits * head_dim
+        n_lse = batch * num_q_heads * num_splits
+        assert workspace.numel() >= n_part + n_lse, "decode workspace too small"
+        part, lse = workspace[:n_part], workspace[n_part : n_part + n_lse]
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, page_table, seq_lens,
+        out, part, lse,
+        q.stride(0), q.stride(1),
+        kc_slot, vc_slot,
+        page_table.stride(0),
+        out.stride(0), out.stride(1),
+        num_splits, scale * LOG2E,
+        NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct, DOT_F32=DOT_F32,
+        num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
+    )
+    if not direct:
+        _decode_reduce_kernel[(batch, num_q_heads)](
+            part, lse, seq_lens, out,
+            out.stride(0), out.stride(1), num_splits,
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS,
+            num_warps=4,
+        )
+    return out
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, max_splits: int) -> int:
+    """About 4 (request, kv head, split) programs per multiprocessor, rounded to the nearest
+    split count (measured on an H200: batch 8 x 8 kv heads is best at 8 splits, batch 64 x 8 at
+    1), and no split shorter than MIN_SPLIT_TOKENS of the longest request. Host ints only."""
+    programs = max(1, batch * num_kv_heads)
+    wanted = int(4 * num_sms / programs + 0.5)
+    by_length = math.ceil(max(1, max_seq_len) / MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, by_length, max_splits))
+
+
+# ----------------------------------------------------------------------------------- extend
+
+
+@triton.jit
+def _attend_block(
+    q, k, v, m_i, l_i, acc, mask, scale_log2,
+    MASKED: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """One online-softmax step of a [BLOCK_M, D] query tile over a [BLOCK_N, D] K/V block."""
+    qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32) * scale_log2
+    if MASKED:
+        qk = tl.where(mask, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    cu_q_ptr, prefix_lens_ptr, page_table_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kc_slot, stride_vc_slot, stride_pt, stride_ot, stride_oh,
+    num_m_blocks, scale_log2,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    # Heads vary fastest in launch order so that the group sharing a kv head runs together
+    # (its K/V stays in L2); query blocks run last-first so the longest causal rows start early.
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    m_blk = num_m_blocks - 1 - tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    m0 = m_blk * BLOCK_M
+    if m0 < q_len:
+        kvh = h // GROUP
+        prefix = tl.load(prefix_lens_ptr + b)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < q_len
+        d = tl.arange(0, BLOCK_D)
+        if BLOCK_D == HEAD_DIM:
+            d_mask = d < BLOCK_D
+        else:
+            d_mask = d < HEAD_DIM
+        rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+
+        # 1) the cached prefix, through the page table: every prefix position precedes every
+        #    new token, so only the length masks it.
+        table = page_table_ptr + b.to(tl.int64) * stride_pt
+        kc_base = k_cache_ptr + kvh * HEAD_DIM
+        vc_base = v_cache_ptr + kvh * HEAD_DIM
+        for n0 in range(0, prefix, BLOCK_N):
+            pos = n0 + offs_n
+            n_mask = pos < prefix
+            page = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            slot = page * PAGE_SIZE + pos % PAGE_SIZE
+            k = _load_tile(kc_base + slot[:, None] * stride_kc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
+            v = _load_tile(vc_base + slot[:, None] * stride_vc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
+            m_i, l_i, acc = _attend_block(
+                q, k, v, m_i, l_i, acc, n_mask[None, :], scale_log2, MASKED=True, DOT_F32=DOT_F32
+            )
+
+        # 2) new tokens before this query block: visible to every row, no mask.
+        k_base = k_ptr + (q_start.to(tl.int64)) * stride_kt + kvh * stride_kh
+        v_base = v_ptr + (q_start.to(tl.int64)) * stride_vt + kvh * stride_vh
+        for n0 in range(0, m0, BLOCK_N):
+            cols = n0 + offs_n
+            k = _load_tile(k_base + cols[:, None] * stride_kt + d[None, :], offs_n, d, HEAD_DIM, BLOCK_D, False)
+            v = _load_tile(v_base + cols[:, None] * stride_vt + d[None, :], offs_n, d, HEAD_DIM, BLOCK_D, False)
+            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, offs_n, scale_log2, MASKED=False, DOT_F32=DOT_F32)
+
+        # 3) the diagonal: causal and length masks. Row m0 sees column m0, so no row of the
+        #    first diagonal block is fully masked and m_i is finite from then on.
+        hi = tl.minimum(m0 + BLOCK_M, q_len)
+        for n0 in range(m0, hi, BLOCK_N):
+            cols = n0 + offs_n
+            n_mask = cols < q_len
+            k = _load_tile(k_base + cols[:, None] * stride_kt + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
+            v = _load_tile(v_base + cols[:, None] * stride_vt + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
+            mask = (cols[None, :] <= offs_m[:, None]) & n_mask[None, :]
+            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, mask, scale_log2, MASKED=True, DOT_F32=DOT_F32)
+
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def extend_config(head_dim: int) -> dict[str, int]:
+    if INTERPRET:
+        return INTERPRET_EXTEND_CONFIG
+    return EXTEND_CONFIG[min(256, max(64, triton.next_power_of_2(head_dim)))]
+
+
+def paged_extend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens (q/k/v rows cu_query_lens[i]:[i+1])
+    over its cached prefix (prefix_lens[i] positions in its pages) and its new tokens."""
+    num_reqs = cu_query_lens.shape[0] - 1
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    if num_reqs == 0 or max_query_len == 0:
+        return out
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and out.stride(2) == 1
+    kc_slot, _ = _flat_cache(k_cache)
+    vc_slot, _ = _flat_cache(v_cache)
+    cfg = extend_config(head_dim)
+    num_m_blocks = triton.cdiv(max_query_len, cfg["BLOCK_M"])
+    _extend_kernel[(num_q_heads, num_reqs, num_m_blocks)](
+        q, k, v, k_cache, v_cache, out,
+        cu_query_lens, prefix_lens, page_table,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc_slot, vc_slot, page_table.stride(0), out.stride(0), out.stride(1),
+        num_m_blocks, scale * LOG2E,
+        GROUP=num_q_heads // num_kv_heads, PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_F32=DOT_F32,
+        num_warps=cfg["num_warps"], num_stages=_stages(cfg, q),
+    )
+    return out

@@ -1,0 +1,361 @@
+"""Triton attention backend against the torch reference backend.
+
+GPU tests (`pytest -m gpu tests/test_triton_attention.py`) sweep shapes on CUDA. CPU tests
+run tiny shapes in Triton's interpreter (conftest sets TRITON_INTERPRET=1 when no GPU is
+present, before triton is imported); they are skipped when triton is missing or the
+interpreter is off.
+
+Every check draws fresh random inputs, gives requests shuffled non-contiguous pages, fills
+unused cache pages and the new tokens' slots with large poison values (so reading a wrong
+slot or skipping a store changes the result), and poisons the output with NaN (so an
+unwritten element fails).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from nanoserve.attention.base import AttentionMetadata
+from nanoserve.attention.torch_backend import TorchAttentionBackend
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+POISON = 50.0
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+
+
+def make_case(
+    reqs: list[tuple[int, int]],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    decode: bool = False,
+) -> Case:
+    """reqs: (prefix_len, new_len) per request."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rng = random.Random(seed)
+    pages_per_req = [-(-(p + n) // page_size) for p, n in reqs]
+    spare = 3
+    num_pages = 1 + sum(pages_per_req) + spare
+    order = list(range(1, num_pages))
+    rng.shuffle(order)  # non-contiguous, shuffled page assignment; page 0 stays reserved
+    max_pages = max(pages_per_req) + 2  # columns past a request's pages stay 0 (the dummy page)
+    page_table = torch.zeros(len(reqs), max_pages, dtype=torch.int32)
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, POISON)
+    v_cache = torch.full(shape, -POISON)
+    slots, cu = [], [0]
+    taken = 0
+    for i, ((prefix, new), npages) in enumerate(zip(reqs, pages_per_req)):
+        pages = order[taken : taken + npages]
+        taken += npages
+        page_table[i, :npages] = torch.tensor(pages, dtype=torch.int32)
+        pos = torch.arange(prefix + new)
+        req_slots = torch.tensor(pages)[pos // page_size] * page_size + pos % page_size
+        flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+        flat_k[req_slots[:prefix]] = torch.randn(prefix, num_kv_heads, head_dim, generator=gen)
+        flat_v[req_slots[:prefix]] = torch.randn(prefix, num_kv_heads, head_dim, generator=gen)
+        slots.append(req_slots[prefix:])
+        cu.append(cu[-1] + new)
+    total = cu[-1]
+    # q/k/v as column slices of one fused qkv projection, as a model produces them
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(total, width, generator=gen)
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    q = q.view(total, num_q_heads, head_dim)
+    k = k.view(total, num_kv_heads, head_dim)
+    v = v.view(total, num_kv_heads, head_dim)
+    to = dict(device=device)
+    meta = AttentionMetadata(
+        is_decode=decode,
+        seq_lens=torch.tensor([p + n for p, n in reqs], dtype=torch.int32, **to),
+        prefix_lens=torch.tensor([p for p, _ in reqs], dtype=torch.int32, **to),
+        cu_query_lens=torch.tensor(cu, dtype=torch.int32, **to),
+        page_table=page_table.to(device),
+        slot_mapping=torch.cat(slots).to(torch.int64).to(device),
+        seq_lens_host=[p + n for p, n in reqs],
+        prefix_lens_host=[p for p, _ in reqs],
+        max_query_len=max(n for _, n in reqs),
+        max_seq_len=max(p + n for p, n in reqs),
+    )
+    qkv = qkv.to(device=device, dtype=dtype)
+    q, k, v = (
+        t.view(total, -1, head_dim)
+        for t in qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    )
+    return Case(q, k, v, k_cache.to(device, dtype), v_cache.to(device, dtype), meta, head_dim**-0.5)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def check(case: Case, tol: float, backend=None) -> None:
+    from nanoserve.attention.triton_backend import TritonAttentionBackend
+
+    backend = backend or TritonAttentionBackend()
+    ref_backend = TorchAttentionBackend()
+    kc_ref, vc_ref = case.k_cache.clone(), case.v_cache.clone()
+    ref_backend.prepare(case.meta)
+    ref = ref_backend.forward(case.q, case.k, case.v, kc_ref, vc_ref, case.meta, case.scale)
+
+    out = torch.full_like(case.q, float("nan"), memory_format=torch.contiguous_format)
+    backend.prepare(case.meta)
+    got = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert not torch.isnan(out).any(), "NaN (unwritten element or bad softmax) in output"
+    err = rel_err(out, ref)
+    assert err < tol, f"relative error {err:.2e}"
+    # the store wrote exactly the new tokens' slots, and nothing else
+    assert torch.equal(case.k_cache, kc_ref) and torch.equal(case.v_cache, vc_ref)
+    num_kv_heads, head_dim = case.k_cache.shape[2], case.k_cache.shape[3]
+    flat = case.k_cache.view(-1, num_kv_heads, head_dim)
+    assert torch.equal(flat[case.meta.slot_mapping], case.k.to(flat.dtype))
+
+
+def ragged(rng: random.Random, batch: int, lo: int, hi: int) -> list[int]:
+    lens = [rng.randint(lo, hi) for _ in range(batch)]
+    lens[rng.randrange(batch)] = hi  # the longest length is always present
+    return lens
+
+
+# ------------------------------------------------------------------------------ CPU tests
+
+interp = pytest.mark.skipif(
+    not (HAS_TRITON and INTERPRET), reason="needs triton and TRITON_INTERPRET=1 (set by conftest without a GPU)"
+)
+
+
+@interp
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_interp_decode_gqa3_splits(page_size):
+    from nanoserve.attention import triton_kernels as tk
+
+    assert tk.INTERPRET  # the kernels run in the interpreter, on the CPU tensors below
+    lens = [1, 37, 70, 5]
+    case = make_case([(n - 1, 1) for n in lens], 6, 2, 32, page_size, torch.float32, "cpu", seed=1, decode=True)
+    assert case.q.device.type == "cpu"
+    check(case, tol=2e-3)  # fp32 products on CPU: far under bf16's bar
+
+
+@interp
+def test_interp_decode_bf16_one_split():
+    from nanoserve.attention.triton_backend import TritonAttentionBackend
+
+    case = make_case([(n - 1, 1) for n in (3, 20)], 4, 4, 16, 4, torch.bfloat16, "cpu", seed=2, decode=True)
+    check(case, tol=1e-2, backend=TritonAttentionBackend(max_splits=1))
+
+
+@interp
+def test_interp_extend_with_prefix():
+    # prefixes under ragged new-token counts; new lengths cross several 16-row tiles
+    case = make_case([(21, 35), (0, 5), (16, 1), (3, 17)], 4, 2, 32, 4, torch.float32, "cpu", seed=3)
+    check(case, tol=2e-3)
+
+
+@interp
+def test_interp_extend_head_dim_not_pow2():
+    case = make_case([(9, 20), (0, 7)], 2, 1, 24, 1, torch.float32, "cpu", seed=4)
+    check(case, tol=2e-3)
+
+
+@interp
+def test_interp_store_skips_negative_slots():
+    from nanoserve.attention import triton_kernels as tk
+
+    k_cache = torch.zeros(3, 4, 2, 16)
+    v_cache = torch.zeros(3, 4, 2, 16)
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    tk.store_kv(k_cache, v_cache, k, v, torch.tensor([5, -1, 11]))
+    flat_k, flat_v = k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16)
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_v[11], v[2])
+    assert flat_k.abs().sum(dim=(1, 2)).nonzero().flatten().tolist() == [5, 11]
+
+
+def engine_tokens(model_dir, backend: str, device: str, **engine_args) -> list[list[int]]:
+    from nanoserve import LLM, SamplingParams
+    from tests.tiny import random_prompts
+
+    llm = LLM(str(model_dir), device=device, attention_backend=backend, **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(random_prompts(3, seed=3, max_len=40), params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@interp
+@pytest.mark.slow
+def test_interp_engine_matches_torch_backend(tmp_path):
+    """The engine end to end (chunked prefill => extends over prefixes, then decodes) gives
+    the same greedy tokens with the Triton backend as with the torch one."""
+    from tests.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "qwen3", "qwen3")
+    args = dict(chunked_prefill_size=16, page_size=4)
+    assert engine_tokens(path, "triton", "cpu", **args) == engine_tokens(path, "torch", "cpu", **args)
+
+
+def test_get_backend_names():
+    from nanoserve.attention import get_backend
+
+    assert get_backend("auto", "cpu").name == "torch"
+    assert get_backend("torch").name == "torch"
+    if HAS_TRITON:
+        assert get_backend("triton", max_splits=4).name == "triton"
+    with pytest.raises(ValueError):
+        get_backend("nope")
+
+
+# ------------------------------------------------------------------------------ GPU tests
+
+gpu = pytest.mark.gpu
+
+DECODE_SHAPES = [
+    # (batch, max_ctx, q_heads, kv_heads, head_dim, page_size)
+    (1, 1, 8, 8, 128, 16),
+    (1, 8192, 32, 8, 128, 16),
+    (3, 4000, 9, 3, 64, 16),  # SmolLM2: group 3
+    (7, 2048, 16, 8, 64, 1),
+    (16, 1024, 32, 4, 128, 1),
+    (64, 512, 32, 8, 128, 16),
+    (128, 300, 16, 2, 64, 16),
+    (256, 128, 32, 8, 128, 16),
+    (256, 64, 16, 16, 128, 1),
+    (5, 3000, 32, 32, 128, 16),  # MHA
+]
+
+
+@gpu
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: "b{}-ctx{}-h{}/{}-d{}-p{}".format(*s))
+def test_decode(shape):
+    batch, max_ctx, hq, hkv, d, page = shape
+    rng = random.Random(hash(shape) & 0xFFFF)
+    lens = ragged(rng, batch, 1, max_ctx)
+    seed = rng.randrange(1 << 30)
+    case = make_case([(n - 1, 1) for n in lens], hq, hkv, d, page, torch.bfloat16, "cuda", seed=seed, decode=True)
+    check(case, tol=1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_decode_dtypes(dtype, head_dim):
+    lens = [1, 700, 2100, 33]
+    case = make_case([(n - 1, 1) for n in lens], 16, 4, head_dim, 16, dtype, "cuda", seed=11, decode=True)
+    check(case, tol=1e-2)
+
+
+EXTEND_SHAPES = [
+    # (batch, max_prefix, max_new, q_heads, kv_heads, head_dim, page_size)
+    (1, 0, 1, 8, 8, 128, 16),
+    (1, 4096, 512, 32, 8, 128, 16),
+    (4, 2048, 300, 9, 3, 64, 16),
+    (3, 1000, 129, 16, 2, 64, 1),
+    (8, 512, 64, 32, 4, 128, 16),
+    (16, 300, 1, 32, 8, 128, 16),  # prefix under single new tokens (decode-shaped extend)
+    (2, 0, 777, 8, 1, 128, 1),  # no prefix, but forced through the Triton kernel below
+    (32, 128, 40, 16, 16, 64, 16),
+]
+
+
+@gpu
+@pytest.mark.parametrize("shape", EXTEND_SHAPES, ids=lambda s: "b{}-pre{}-new{}-h{}/{}-d{}-p{}".format(*s))
+def test_extend(shape):
+    from nanoserve.attention.triton_backend import TritonAttentionBackend
+
+    batch, max_prefix, max_new, hq, hkv, d, page = shape
+    rng = random.Random(hash(shape) & 0xFFFF)
+    prefixes = ragged(rng, batch, 0, max_prefix)
+    news = ragged(rng, batch, 1, max_new)
+    case = make_case(list(zip(prefixes, news)), hq, hkv, d, page, torch.bfloat16, "cuda", seed=rng.randrange(1 << 30))
+    check(case, tol=1e-2, backend=TritonAttentionBackend(use_fa2=False))
+
+
+@gpu
+def test_prefill_fa2_path():
+    rng = random.Random(5)
+    news = ragged(rng, 4, 1, 1500)
+    case = make_case([(0, n) for n in news], 32, 8, 128, 16, torch.bfloat16, "cuda", seed=6)
+    check(case, tol=1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_extend_fp16_fp32(dtype, head_dim):
+    from nanoserve.attention.triton_backend import TritonAttentionBackend
+
+    case = make_case([(100, 50), (0, 90), (1500, 3)], 8, 2, head_dim, 16, dtype, "cuda", seed=7)
+    check(case, tol=1e-2, backend=TritonAttentionBackend(use_fa2=False))
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_engine_matches_torch_backend_on_gpu(tmp_path, page_size):
+    from tests.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "llama", "llama")
+    args = dict(chunked_prefill_size=16, page_size=page_size, dtype="float32", kv_cache_tokens=4096, enforce_eager=True)
+    assert engine_tokens(path, "triton", "cuda", **args) == engine_tokens(path, "torch", "cuda", **args)
+
+
+@gpu
+def test_decode_cuda_graph_replay():
+    """Decode is capturable: capture once with the largest context, replay on new lengths."""
+    from nanoserve.attention.triton_backend import TritonAttentionBackend
+
+    hq, hkv, d, page, batch = 32, 8, 128, 16, 8
+    backend = TritonAttentionBackend()
+    backend.reserve_decode_workspace(batch, hq, d, hkv, 4096, "cuda")
+    case = make_case([(4095, 1)] * batch, hq, hkv, d, page, torch.bfloat16, "cuda", seed=8, decode=True)
+    out = torch.empty_like(case.q)
+    backend.prepare(case.meta)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, out=out)
+    # new lengths (shorter, ragged) written into the captured device buffers
+    lens = [1, 17, 4096, 300, 2000, 1024, 5, 999]
+    new = make_case([(n - 1, 1) for n in lens], hq, hkv, d, page, torch.bfloat16, "cuda", seed=9, decode=True)
+    assert new.k_cache.shape[0] <= case.k_cache.shape[0]
+    for dst, src in ((case.k_cache, new.k_cache), (case.v_cache, new.v_cache)):
+        dst.zero_()
+        dst[: src.shape[0]].copy_(src)
+    m, nm = case.meta, new.meta
+    m.seq_lens.copy_(nm.seq_lens)
+    m.page_table.zero_()
+    m.page_table[:, : nm.page_table.shape[1]].copy_(nm.page_table)
+    m.slot_mapping.copy_(nm.slot_mapping)
+    for dst, src in ((case.q, new.q), (case.k, new.k), (case.v, new.v)):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_backend = TorchAttentionBackend()
+    ref_backend.prepare(nm)
+    ref = ref_backend.forward(new.q, new.k, new.v, new.k_cache, new.v_cache, nm, new.scale)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < 1e-2
