@@ -1,4 +1,5 @@
-# The two commands: `make run` (the default model answers three prompts) and `make test`.
+# The two commands: `make run` (the default model answers three prompts, then serves the
+# OpenAI-compatible API on 127.0.0.1:8000) and `make test`.
 # Both install what they need first. torch is installed only when missing (the GPU image
 # has its own build, which must not be replaced); on a CPU machine torch==2.13.0 is the
 # local CPU wheel.
@@ -15,6 +16,7 @@ setup:
 
 run: setup
 	$(PYTHON) -m nanoserve.cli generate
+	$(PYTHON) -m nanoserve.cli serve --show-examples
 
 test: setup
 	$(PYTHON) -m pytest -q

@@ -71,7 +71,9 @@ class ModelRunner:
         )
         self.backend = get_backend(config.attention_backend, device)
 
-    def _metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, batch: ScheduledBatch, sample_rows: list[int]) -> "ForwardInputs":
+        """Device tensors for one forward. `sample_rows` (indices into batch.requests) are
+        the requests whose last new token's logits are wanted."""
         ps = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -105,23 +107,28 @@ class ModelRunner:
             max_query_len=max(batch.num_new_tokens),
             max_seq_len=max(seq_lens),
         )
-        return dev(input_ids, torch.long), dev(positions, torch.long), meta
+        logit_rows = [cu[i + 1] - 1 for i in sample_rows]
+        return ForwardInputs(dev(input_ids, torch.long), dev(positions, torch.long), meta, dev(logit_rows, torch.long))
 
     @torch.inference_mode()
+    def execute(self, inputs: "ForwardInputs") -> torch.Tensor:
+        """Logits [len(inputs.logit_rows), vocab]: the forward pass of one batch. Every
+        tensor-parallel rank runs this on the same inputs."""
+        self.backend.prepare(inputs.meta)
+        batch = ForwardBatch(inputs.meta, self.backend, self.kv_cache.k, self.kv_cache.v)
+        hidden = self.model(inputs.input_ids, inputs.positions, batch)
+        return self.model.compute_logits(hidden[inputs.logit_rows])
+
     def forward(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
-        """Logits [len(sample_rows), vocab] for the last new token of the requests at
-        `sample_rows` (indices into batch.requests)."""
-        input_ids, positions, meta = self._metadata(batch)
-        self.backend.prepare(meta)
-        hidden = self.model(input_ids, positions, ForwardBatch(meta, self.backend, self.kv_cache.k, self.kv_cache.v))
-        ends = torch.tensor(meta_ends(batch, sample_rows), device=self.device)
-        return self.model.compute_logits(hidden[ends])
+        return self.execute(self.prepare(batch, sample_rows))
 
 
-def meta_ends(batch: ScheduledBatch, rows: list[int]) -> list[int]:
-    """Index in the flat token dimension of the last new token of each request in rows."""
-    ends, total = [], 0
-    for n in batch.num_new_tokens:
-        total += n
-        ends.append(total - 1)
-    return [ends[i] for i in rows]
+@dataclass
+class ForwardInputs:
+    """Everything one forward pass reads: a plain bundle of device tensors, so it can be
+    handed to other ranks or copied into a CUDA graph's static buffers."""
+
+    input_ids: torch.Tensor  # long [T]
+    positions: torch.Tensor  # long [T]
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # long [R]: rows of the hidden states to project to logits
