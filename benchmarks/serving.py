@@ -1,0 +1,393 @@
+"""Serving benchmark: load a running OpenAI-compatible server and measure latency and throughput.
+
+Sends streaming /v1/completions requests at a Poisson request rate (or all at once, `inf`),
+optionally capped at a fixed concurrency, from a random dataset (token-id prompts of a given
+input length, `ignore_eos` outputs of a given length) or a ShareGPT-format JSON file. Per
+request it records time to first token (TTFT), inter-token latencies (ITL, between streamed
+chunks), time per output token (TPOT, (e2e - TTFT) / (output tokens - 1)) and end-to-end
+latency; it reports mean/p50/p90/p99 of each plus request and token throughput. Several rates
+(`--request-rate 4,8,16,32,inf`) make a sweep; `--output-png` then draws the latency curves
+(or later, without a server: `--plot-from RESULT.json --output-png PLOT.png`).
+
+Needs only aiohttp (and matplotlib for the PNG). Output token counts come from the server's
+`usage` (stream_options.include_usage); ShareGPT lengths are measured with the server's
+/tokenize endpoint, so no tokenizer is needed here.
+
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000 --dataset random \\
+        --random-input-len 1024 --random-output-len 256 --num-prompts 200 \\
+        --request-rate 4,8,16,32,inf --output-json serving.json --output-png serving.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+
+@dataclass
+class RequestSpec:
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    start: float = 0.0
+
+
+# ------------------------------------------------------------------------------------------ datasets
+
+
+def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int):
+    rng = random.Random(seed)
+
+    def length(mean: int) -> int:
+        lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+        return rng.randint(lo, hi)
+
+    specs = []
+    for _ in range(n):
+        ilen, olen = length(input_len), length(output_len)
+        # Skip the lowest ids: they are often special tokens (BOS/EOS/pad) in real vocabularies.
+        ids = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(ilen)]
+        specs.append(RequestSpec(ids, ilen, olen))
+    return specs
+
+
+def _read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+async def sharegpt_dataset(session, base: str, path: str, n: int, max_len: int, seed: int, fixed_output: int | None):
+    data = _read_json(path)
+    pairs = []
+    for item in data:
+        conv = item.get("conversations") or item.get("conversation") or []
+        if len(conv) >= 2 and conv[0].get("value") and conv[1].get("value"):
+            pairs.append((conv[0]["value"], conv[1]["value"]))
+    random.Random(seed).shuffle(pairs)
+    specs = []
+    for prompt, answer in pairs:
+        if len(specs) >= n:
+            break
+        plen = await _count_tokens(session, base, prompt)
+        olen = fixed_output or await _count_tokens(session, base, answer)
+        if plen < 4 or olen < 4 or plen + olen > max_len:
+            continue  # too short to measure, or does not fit the context
+        specs.append(RequestSpec(prompt, plen, olen))
+    if len(specs) < n:
+        print(f"warning: only {len(specs)} usable conversations in {path}", file=sys.stderr)
+    return specs
+
+
+async def _count_tokens(session, base: str, text: str) -> int:
+    async with session.post(f"{base}/tokenize", json={"prompt": text}) as resp:
+        if resp.status != 200:
+            raise SystemExit(f"/tokenize failed ({resp.status}): {await resp.text()}")
+        return (await resp.json())["count"]
+
+
+# ------------------------------------------------------------------------------------------ requests
+
+
+async def send(session, base: str, model: str, spec: RequestSpec, temperature: float) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": spec.prompt,
+        "max_tokens": spec.output_len,
+        "temperature": temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    res = RequestResult(prompt_len=spec.prompt_len)
+    res.start = start = time.perf_counter()
+    last = None
+    try:
+        async with session.post(f"{base}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return res
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", "error")
+                    return res
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if last is None:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                    res.prompt_len = chunk["usage"]["prompt_tokens"]
+        res.e2e = time.perf_counter() - start
+        res.ok = last is not None
+        if not res.ok:
+            res.error = "no tokens received"
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+async def run_rate(session, base, model, specs, rate: float, max_concurrency: int | None, temperature, seed):
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(spec):
+        if sem is None:
+            return await send(session, base, model, spec, temperature)
+        async with sem:
+            return await send(session, base, model, spec, temperature)
+
+    tasks = []
+    t0 = time.perf_counter()
+    for spec in specs:
+        tasks.append(asyncio.create_task(one(spec)))
+        if math.isfinite(rate):
+            await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------ stats
+
+
+def _pcts(values: list[float], scale: float = 1000.0) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    xs = sorted(v * scale for v in values)
+
+    def pct(q):
+        k = (len(xs) - 1) * q
+        lo, hi = math.floor(k), math.ceil(k)
+        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+    return {"mean": statistics.fmean(xs), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
+
+
+def summarize(rate: float, results: list[RequestResult], duration: float, max_concurrency) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    errors = sorted({r.error for r in results if not r.ok})
+    return {
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "max_concurrency": max_concurrency,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors[:5],
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_ms": _pcts([r.ttft for r in ok]),
+        "tpot_ms": _pcts(tpot),
+        "itl_ms": _pcts([x for r in ok for x in r.itl]),
+        "e2e_ms": _pcts([r.e2e for r in ok]),
+    }
+
+
+def print_summary(s: dict) -> None:
+    print(f"---- request rate {s['request_rate']} (max concurrency {s['max_concurrency']}) ----")
+    print(f"completed {s['completed']}  failed {s['failed']}  duration {s['duration_s']:.2f} s")
+    for e in s["errors"]:
+        print(f"  error: {e}")
+    print(
+        f"request throughput {s['request_throughput']:.2f} req/s, output {s['output_throughput']:.1f} tok/s, "
+        f"total {s['total_token_throughput']:.1f} tok/s"
+    )
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        v = s[key]
+        if v["mean"] is None:
+            continue
+        print(f"{key:8s} mean {v['mean']:9.2f}  p50 {v['p50']:9.2f}  p90 {v['p90']:9.2f}  p99 {v['p99']:9.2f}")
+
+
+def plot(summaries: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [str(s["request_rate"]) for s in summaries]
+    xs = list(range(len(summaries)))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    panels = [
+        ("ttft_ms", "time to first token (ms)"),
+        ("itl_ms", "inter-token latency (ms)"),
+        ("e2e_ms", "end-to-end latency (ms)"),
+    ]
+    for ax, (key, name) in zip(axes.flat, panels):
+        for q, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
+            ax.plot(xs, [s[key][q] for s in summaries], style, label=q)
+        ax.set_title(name)
+        ax.set_xticks(xs, labels)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    ax = axes.flat[3]
+    ax.plot(xs, [s["output_throughput"] for s in summaries], "o-")
+    ax.set_title("output throughput (tok/s)")
+    ax.set_xticks(xs, labels)
+    ax.set_xlabel("request rate (req/s)")
+    ax.grid(True, alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def _title(report: dict) -> str:
+    if report["dataset"] == "random":
+        return f"{report['model']}: random, input {report['random_input_len']} / output {report['random_output_len']}"
+    return f"{report['model']}: {report['dataset']}"
+
+
+def parse_rates(text: str) -> list[float]:
+    return [math.inf if r.strip() in ("inf", "infinite") else float(r) for r in text.split(",")]
+
+
+async def amain(args) -> int:
+    base = args.base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    connector = aiohttp.TCPConnector(limit=0)  # no client-side cap: the benchmark sets the load
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
+        async with session.get(f"{base}/v1/models") as resp:
+            if resp.status != 200:
+                raise SystemExit(f"GET /v1/models failed ({resp.status}): {await resp.text()}")
+            card = (await resp.json())["data"][0]
+        model = args.model or card["id"]
+        vocab = args.vocab_size or card.get("vocab_size") or 32000
+        max_len = card.get("max_model_len") or 10**9
+
+        def random_specs(seed: int) -> list[RequestSpec]:
+            return random_dataset(
+                args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, vocab, seed
+            )
+
+        if args.dataset == "random":
+            specs = random_specs(args.seed)
+        else:
+            if not args.dataset_path:
+                raise SystemExit("--dataset sharegpt needs --dataset-path FILE.json")
+            specs = await sharegpt_dataset(
+                session, base, args.dataset_path, args.num_prompts, max_len, args.seed, args.sharegpt_output_len
+            )
+
+        # Warm up (first requests pay one-time costs: allocation, compilation, graph capture).
+        warm = RequestSpec(specs[0].prompt, specs[0].prompt_len, min(16, specs[0].output_len))
+        for _ in range(args.warmup):
+            r = await send(session, base, model, warm, args.temperature)
+            if not r.ok:
+                raise SystemExit(f"warm-up request failed: {r.error}")
+
+        report = {
+            "base_url": base,
+            "model": model,
+            "dataset": args.dataset,
+            "dataset_path": args.dataset_path,
+            "num_prompts": len(specs),
+            "random_input_len": args.random_input_len if args.dataset == "random" else None,
+            "random_output_len": args.random_output_len if args.dataset == "random" else None,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(sys.argv),
+            "results": [],
+        }
+        summaries = report["results"]
+        for i, rate in enumerate(parse_rates(args.request_rate)):
+            if args.dataset == "random":
+                # Fresh prompts per rate: reusing them would turn later rates into prefix-cache hits.
+                specs = random_specs(args.seed + 1 + i)
+            results, duration = await run_rate(
+                session, base, model, specs, rate, args.max_concurrency, args.temperature, args.seed
+            )
+            summary = summarize(rate, results, duration, args.max_concurrency)
+            print_summary(summary)
+            summaries.append(summary)
+            if args.output_json:  # after every rate, so a sweep cut short keeps what it measured
+                _write_json(args.output_json, report)
+
+    if args.output_json:
+        print(f"wrote {args.output_json}")
+    if args.output_png:
+        plot(summaries, args.output_png, _title(report))
+        print(f"wrote {args.output_png}")
+    return 0 if all(s["failed"] == 0 for s in summaries) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--dataset", choices=["random", "sharegpt"], default="random")
+    ap.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
+    ap.add_argument("--sharegpt-output-len", type=int, default=None, help="override the reference answer lengths")
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--random-input-len", type=int, default=1024)
+    ap.add_argument("--random-output-len", type=int, default=256)
+    ap.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in mean*(1±ratio)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="token id range for random prompts")
+    ap.add_argument("--request-rate", default="inf", help="req/s, comma-separated for a sweep; inf = all at once")
+    ap.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up requests before measuring")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output-json", default=None)
+    ap.add_argument("--output-png", default=None)
+    ap.add_argument(
+        "--plot-from",
+        default=None,
+        metavar="JSON",
+        help="only draw --output-png from a JSON this script wrote (no server needed)",
+    )
+    args = ap.parse_args(argv)
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            report = json.load(f)
+        plot(report["results"], args.output_png or args.plot_from.removesuffix(".json") + ".png", _title(report))
+        return 0
+    return asyncio.run(amain(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

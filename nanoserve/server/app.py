@@ -1,0 +1,554 @@
+"""The FastAPI application of the API server process: routes, auth, tokenization, response shapes.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /generate
+(native), POST /tokenize, GET /health, GET /metrics. Every generating route builds a
+`Generation` (see generation.py) and renders its deltas either as one JSON body or as
+server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+
+Invariants:
+- Every error is answered with OpenAI's error body (`protocol.error_body`), including 404/405
+  from routing and 500 from bugs; the server keeps serving after any of them.
+- With an API key, every /v1 route (and /generate, /tokenize) needs `Authorization: Bearer KEY`.
+- A client that goes away aborts its engine requests at once: streaming responses are
+  cancelled by Starlette on disconnect, non-streaming ones race a disconnect watcher; both end
+  in `Generation.close()`.
+- Every response carries `usage`: non-streaming bodies always; streams in a final usage chunk
+  (OpenAI's `stream_options.include_usage`) or, when that is off, on the request's last chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanoserve.outputs import TokenLogprobs
+from nanoserve.server import protocol as p
+from nanoserve.server.generation import Generation, SampleDelta
+from nanoserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+
+logger = logging.getLogger("nanoserve.server")
+
+
+@dataclass
+class ServerState:
+    client: object  # EngineClient (or a test double with the same methods)
+    served_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: object | None
+    metrics: ServerMetrics
+    api_key: str | None = None
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+class _TokenText:
+    """Token id -> its text, cached (logprob entries name tokens by their decoded text)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            if self._tokenizer is None:
+                text = f"token_id:{token_id}"
+            else:
+                text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client has gone away (the body must already have been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(gen: Generation, request: Request) -> list[SampleDelta]:
+    """All deltas of a non-streaming request; aborts it if the client disconnects first."""
+
+    async def consume():
+        return [delta async for delta in gen.deltas()]
+
+    work = asyncio.ensure_future(consume())
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            raise p.RequestError(499, "client disconnected", None, "client_disconnected")
+        return work.result()
+    finally:
+        watch.cancel()
+        gen.close()
+
+
+class _Choice:
+    """Accumulates one choice of a non-streaming response."""
+
+    def __init__(self):
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.finish_reason: str | None = None
+
+    def add(self, delta: SampleDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs:
+            self.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
+
+def _choices(deltas: list[SampleDelta], n: int, num_prompts: int) -> list[_Choice]:
+    choices = [_Choice() for _ in range(n * num_prompts)]
+    for delta in deltas:
+        choices[delta.prompt_index * n + delta.index].add(delta)
+    return choices
+
+
+# ------------------------------------------------------------------------------------------ app
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="nanoserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.nanoserve = state
+    token_text = _TokenText(state.tokenizer)
+
+    @app.exception_handler(p.RequestError)
+    async def _request_error(_request: Request, exc: p.RequestError):
+        return JSONResponse(p.error_body(exc), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException):
+        code = "not_found" if exc.status_code == 404 else None
+        err = p.RequestError(exc.status_code, str(exc.detail), None, code)
+        return JSONResponse(p.error_body(err), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request: Request, exc: Exception):
+        logger.exception("internal error while serving a request")
+        err = p.RequestError(500, f"internal server error: {type(exc).__name__}: {exc}", None, "internal_error")
+        return JSONResponse(p.error_body(err), status_code=500)
+
+    def check_api_key(request: Request) -> None:
+        if state.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise p.RequestError(
+                401, "Invalid or missing API key (send Authorization: Bearer KEY)", None, "invalid_api_key"
+            )
+
+    def check_alive() -> None:
+        if state.client.dead is not None:
+            raise p.RequestError(503, f"The engine is not available: {state.client.dead}", None, "engine_dead")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.served_name:
+            raise p.RequestError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{state.served_name}'",
+                "model",
+                "model_not_found",
+            )
+
+    def need_tokenizer(param: str):
+        if state.tokenizer is None:
+            raise p.bad_request("this model has no tokenizer: send token ids instead of text", param, "no_tokenizer")
+        return state.tokenizer
+
+    def check_token_ids(ids: list[int], param: str) -> None:
+        for t in ids:
+            if t >= state.vocab_size:
+                raise p.bad_request(f"token id {t} is out of range (vocab size {state.vocab_size})", param)
+
+    def resolve_max_tokens(prompts: list[list[int]], requested: int | None, was_sent: bool, param: str) -> int:
+        """The per-request max_tokens; refuses prompts that leave no room in the context."""
+        longest = max(len(ids) for ids in prompts)
+        room = state.max_model_len - longest
+        if room < 1:
+            raise p.bad_request(
+                f"This model's maximum context length is {state.max_model_len} tokens, but the prompt has {longest} "
+                "tokens (at least one token must be generated)",
+                param,
+                "context_length_exceeded",
+            )
+        if requested is None:
+            return room
+        if requested > room:
+            if not was_sent:
+                return room  # a default (not the client's choice) just shrinks to fit
+            raise p.bad_request(
+                f"This model's maximum context length is {state.max_model_len} tokens; the prompt has {longest} "
+                f"tokens and max_tokens is {requested} ({longest + requested} in all)",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return requested
+
+    def sampling_params(req, max_tokens: int):
+        try:
+            return req.to_sampling_params(max_tokens)
+        except ValueError as exc:
+            raise p.sampling_error_to_request_error(exc) from None
+
+    async def start(prompts: list[list[int]], params, prompt_param: str) -> Generation:
+        check_alive()
+        gen = Generation(state.client, state.metrics, state.tokenizer, prompts, params)
+        await gen.start(prompt_param)
+        return gen
+
+    def stream(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
+        async def body():
+            try:
+                async for event in events:
+                    yield event
+            except p.RequestError as exc:  # the engine died mid-stream: say so, then end the stream
+                yield _sse(p.error_body(exc))
+            finally:
+                gen.close()
+            yield _SSE_DONE
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    v1 = APIRouter(dependencies=[Depends(check_api_key)])
+
+    # -------------------------------------------------------------------------- /v1/models
+
+    @v1.get("/v1/models")
+    async def list_models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.served_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "nanoserve",
+                    "max_model_len": state.max_model_len,
+                    "vocab_size": state.vocab_size,
+                }
+            ],
+        }
+
+    # -------------------------------------------------------------------------- /v1/completions
+
+    def completion_logprobs(lps: list[TokenLogprobs], offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            text = token_text(lp.token_id)
+            tokens.append(text)
+            token_lps.append(lp.logprob)
+            tops.append({token_text(t): v for t, v in lp.top.items()})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    @v1.post("/v1/completions")
+    async def completions(request: Request):
+        req = p.parse(p.CompletionRequest, await request.body())
+        check_model(req.model)
+        prompts, texts = [], []
+        for item in req.prompt:
+            if isinstance(item, str):
+                ids = need_tokenizer("prompt").encode(item)
+                if not ids:
+                    raise p.bad_request("prompt must not be empty (it has no tokens)", "prompt")
+                texts.append(item)
+            else:
+                check_token_ids(item, "prompt")
+                ids = list(item)
+                texts.append(None)
+            prompts.append(ids)
+        max_tokens = resolve_max_tokens(prompts, req.max_tokens, "max_tokens" in req.model_fields_set, "prompt")
+        params = sampling_params(req, max_tokens)
+        gen = await start(prompts, params, "prompt")
+        rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.n
+
+        def echo_text(prompt_index: int) -> str:
+            text = texts[prompt_index]
+            if text is None:
+                text = state.tokenizer.decode(prompts[prompt_index]) if state.tokenizer is not None else ""
+            return text
+
+        if not req.stream:
+            choices = _choices(await _collect(gen, request), n, len(prompts))
+            out = []
+            for i, ch in enumerate(choices):
+                prefix = echo_text(i // n) if req.echo else ""
+                lps = completion_logprobs(ch.logprobs, len(prefix)) if req.logprobs is not None else None
+                out.append({"index": i, "text": prefix + ch.text, "logprobs": lps, "finish_reason": ch.finish_reason})
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": state.served_name,
+                "choices": out,
+                "usage": gen.usage,
+            }
+
+        async def events():
+            offsets = [0] * (n * len(prompts))
+            extra = {"usage": None} if req.include_usage else {}
+            if req.echo:
+                for i in range(n * len(prompts)):
+                    text = echo_text(i // n)
+                    offsets[i] = len(text)
+                    choice = {"index": i, "text": text, "logprobs": None, "finish_reason": None}
+                    yield _sse(
+                        {
+                            "id": rid,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": state.served_name,
+                            "choices": [choice],
+                            **extra,
+                        }
+                    )
+            async for d in gen.deltas():
+                i = d.prompt_index * n + d.index
+                if not (d.text or d.finish_reason or d.logprobs or state.tokenizer is None):
+                    continue  # text held back (partial character or possible stop string)
+                lps = None
+                if req.logprobs is not None and d.logprobs:
+                    lps = completion_logprobs(d.logprobs, offsets[i])
+                offsets[i] += len(d.text)
+                chunk = {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": state.served_name,
+                    "choices": [{"index": i, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}],
+                    **extra,
+                }
+                if gen.finished and not req.include_usage:  # the request's last chunk carries its usage
+                    chunk["usage"] = gen.usage
+                yield _sse(chunk)
+            if req.include_usage:
+                yield _sse(
+                    {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": state.served_name,
+                        "choices": [],
+                        "usage": gen.usage,
+                    }
+                )
+
+        return stream(gen, events())
+
+    # -------------------------------------------------------------------------- /v1/chat/completions
+
+    def chat_logprobs(lps: list[TokenLogprobs]) -> dict:
+        content = []
+        for lp in lps:
+            text = token_text(lp.token_id)
+            top = [
+                {"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode("utf-8"))}
+                for t, v in sorted(lp.top.items(), key=lambda kv: -kv[1])
+            ]
+            content.append(
+                {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8")), "top_logprobs": top}
+            )
+        return {"content": content}
+
+    def chat_prompt(req: p.ChatCompletionRequest) -> list[int]:
+        tokenizer = need_tokenizer("messages")
+        if not getattr(tokenizer, "chat_template", None):
+            raise p.bad_request("this model has no chat template: use /v1/completions", "messages", "no_chat_template")
+        try:
+            text = tokenizer.apply_chat_template(
+                req.template_messages(), tokenize=False, add_generation_prompt=req.add_generation_prompt
+            )
+        except (TemplateError, ValueError, TypeError) as exc:  # templates raise on role orders they refuse
+            raise p.bad_request(f"the chat template refused these messages: {exc}", "messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    @v1.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = p.parse(p.ChatCompletionRequest, await request.body())
+        check_model(req.model)
+        ids = chat_prompt(req)
+        was_sent = bool({"max_tokens", "max_completion_tokens"} & req.model_fields_set)
+        max_tokens = resolve_max_tokens([ids], req.requested_max_tokens, was_sent, "messages")
+        params = sampling_params(req, max_tokens)
+        gen = await start([ids], params, "messages")
+        rid, created, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.n
+
+        if not req.stream:
+            choices = _choices(await _collect(gen, request), n, 1)
+            out = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": ch.text},
+                    "logprobs": chat_logprobs(ch.logprobs) if req.logprobs else None,
+                    "finish_reason": ch.finish_reason,
+                }
+                for i, ch in enumerate(choices)
+            ]
+            return {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": state.served_name,
+                "choices": out,
+                "usage": gen.usage,
+            }
+
+        def chunk(choices: list[dict], **extra) -> str:
+            return _sse(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": state.served_name,
+                    "choices": choices,
+                    **extra,
+                }
+            )
+
+        async def events():
+            extra = {"usage": None} if req.include_usage else {}
+            for i in range(n):  # OpenAI opens each choice with the role
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    **extra,
+                )
+            async for d in gen.deltas():
+                if not (d.text or d.finish_reason or d.logprobs or state.tokenizer is None):
+                    continue
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                lps = chat_logprobs(d.logprobs) if req.logprobs and d.logprobs else None
+                last = {"usage": gen.usage} if gen.finished and not req.include_usage else extra
+                yield chunk(
+                    [{"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}], **last
+                )
+            if req.include_usage:
+                yield chunk([], usage=gen.usage)
+
+        return stream(gen, events())
+
+    # -------------------------------------------------------------------------- native /generate
+
+    def native_logprobs(lps: list[TokenLogprobs] | None):
+        if lps is None:
+            return None
+        return [
+            {"token_id": lp.token_id, "logprob": lp.logprob, "top": {str(t): v for t, v in lp.top.items()}}
+            for lp in lps
+        ]
+
+    @v1.post("/generate")
+    async def generate(request: Request):
+        req = p.parse(p.GenerateRequest, await request.body())
+        if req.text is not None:
+            ids, param = need_tokenizer("text").encode(req.text), "text"
+            if not ids:
+                raise p.bad_request("prompt must not be empty (it has no tokens)", "text")
+        else:
+            ids, param = list(req.input_ids), "input_ids"
+            check_token_ids(ids, param)
+        sent = "max_tokens" in req.sampling_params.model_fields_set
+        max_tokens = resolve_max_tokens([ids], req.sampling_params.max_tokens, sent, param)
+        params = sampling_params(req, max_tokens)
+        gen = await start([ids], params, param)
+        rid = f"gen-{uuid.uuid4().hex}"
+
+        if not req.stream:
+            choices = _choices(await _collect(gen, request), params.n, 1)
+            out = [
+                {
+                    "index": i,
+                    "text": ch.text,
+                    "token_ids": ch.token_ids,
+                    "finish_reason": ch.finish_reason,
+                    "logprobs": native_logprobs(ch.logprobs) if params.logprobs is not None else None,
+                }
+                for i, ch in enumerate(choices)
+            ]
+            return {
+                "id": rid,
+                "text": out[0]["text"],
+                "token_ids": out[0]["token_ids"],
+                "choices": out,
+                "prompt_token_ids": ids,
+                "usage": gen.usage,
+            }
+
+        async def events():
+            async for d in gen.deltas():
+                yield _sse(
+                    {
+                        "id": rid,
+                        "index": d.index,
+                        "text": d.text,
+                        "token_ids": d.token_ids,
+                        "logprobs": native_logprobs(d.logprobs),
+                        "finish_reason": d.finish_reason,
+                    }
+                )
+            yield _sse({"id": rid, "usage": gen.usage, "prompt_token_ids": ids})
+
+        return stream(gen, events())
+
+    @v1.post("/tokenize")
+    async def tokenize(request: Request):
+        req = p.parse(p.TokenizeRequest, await request.body())
+        check_model(req.model)
+        if req.prompt is not None:
+            ids = need_tokenizer("prompt").encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = chat_prompt(p.ChatCompletionRequest(messages=req.messages))
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+    app.include_router(v1)
+
+    # -------------------------------------------------------------------------- health, metrics
+
+    @app.get("/health")
+    async def health():
+        if state.client.dead is not None:
+            raise p.RequestError(503, f"The engine is not available: {state.client.dead}", None, "engine_dead")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        stats = await state.client.fetch_stats()
+        state.metrics.update_engine(stats, state.client.num_tracked_requests)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,94 @@
+"""The `serve` and `chat` subcommands of the `nanoserve` CLI (registered by nanoserve.cli).
+
+nanoserve serve [MODEL] [engine flags] [--host H] [--port P] [--api-key KEY]
+nanoserve chat [--url URL | MODEL engine flags] [--system TEXT] [--max-tokens N] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from nanoserve.config import add_engine_args, engine_config_from_args
+from nanoserve.models.registry import DEFAULT_MODEL
+
+
+def register(subparsers) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="start the OpenAI-compatible HTTP server",
+        description="Start the OpenAI-compatible HTTP server (API server process + engine process).",
+    )
+    _add_model_args(serve, f"model alias, GGUF file or HF directory (default {DEFAULT_MODEL})")
+    add_engine_args(serve)
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("NANOSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NANOSERVE_API_KEY)",
+    )
+    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    g.add_argument("--show-examples", action="store_true", help="print a curl command and an openai snippet when ready")
+    serve.set_defaults(func=_serve)
+
+    chat = subparsers.add_parser(
+        "chat",
+        help="interactive terminal chat (against a server, or with the model in-process)",
+        description="Interactive chat that streams answers and keeps the conversation. "
+        "Commands: /reset clears the conversation, /exit quits.",
+    )
+    _add_model_args(chat, "model to load in-process when no --url is given")
+    add_engine_args(chat)
+    g = chat.add_argument_group("chat")
+    g.add_argument(
+        "--url", default=None, help="a running nanoserve (or other OpenAI) server, e.g. http://127.0.0.1:8000"
+    )
+    g.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"), help="bearer key for --url")
+    g.add_argument("--system", default=None, help="a system prompt")
+    g.add_argument("--max-tokens", type=int, default=512)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=0.95)
+    chat.set_defaults(func=_chat)
+
+
+def _add_model_args(parser: argparse.ArgumentParser, help_text: str) -> None:
+    # `nanoserve serve MODEL` as the issue writes it, and `--model MODEL` like `nanoserve generate`.
+    parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL", help=help_text)
+    parser.add_argument("--model", default=None, help="same as the positional MODEL")
+
+
+def _resolve_model(args: argparse.Namespace, command: str) -> None:
+    if args.model_positional and args.model and args.model_positional != args.model:
+        raise SystemExit(f"nanoserve {command}: two different models given ({args.model_positional!r}, {args.model!r})")
+    args.model = args.model_positional or args.model or DEFAULT_MODEL
+
+
+def _serve(args: argparse.Namespace) -> int:
+    _resolve_model(args, "serve")
+    from nanoserve.server.launch import run_server
+
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"nanoserve serve: {exc}") from None
+    if config.node_rank > 0:  # multi-host tensor parallelism: this host runs worker ranks only
+        from nanoserve.distributed.tp_runner import run_worker_node
+
+        return run_worker_node(config)
+    return run_server(
+        config,
+        served_name=args.served_model_name or args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        show_examples=args.show_examples,
+    )
+
+
+def _chat(args: argparse.Namespace) -> int:
+    _resolve_model(args, "chat")
+    from nanoserve.server.chat import run_chat
+
+    return run_chat(args)

@@ -1,0 +1,223 @@
+"""One HTTP request's generation: its engine requests, detokenization, stop strings and metrics.
+
+An HTTP request may carry several prompts (completions with a list prompt), each sent to the
+engine as one request with `n` samples. `Generation` submits them, waits until the engine has
+accepted all (so a rejection becomes a 400 before any byte is streamed), then yields one
+`SampleDelta` per engine update of each sample: the newly visible text (incrementally
+detokenized, stop strings cut), the new token ids and log-probabilities, and the finish reason.
+
+Invariants:
+- Token ids, logprobs and usage counts stop at the token that completed a stop string; the text
+  stops before the stop string.
+- A sample ended by a stop string is aborted in the engine at once (its pages are freed); when
+  every sample of an engine request has finished, the request is released here.
+- `close()` is synchronous and idempotent: it aborts whatever is unfinished (client gone,
+  error), so it is safe in `finally` blocks of cancelled tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from nanoserve.outputs import StepUpdate, TokenLogprobs
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.server.engine_client import Accepted, EngineDead, Rejected
+from nanoserve.server.protocol import RequestError, bad_request
+
+
+class _TextlessDetokenizer:
+    """Stands in for SampleDetokenizer when the model has no tokenizer: tokens, no text."""
+
+    stopped = False
+    stop_reason = None
+    text = ""
+
+    def append(self, token_ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+def make_detokenizer(tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+    if tokenizer is None:
+        return _TextlessDetokenizer()
+    from nanoserve.detokenizer import SampleDetokenizer
+
+    return SampleDetokenizer(tokenizer, prompt_token_ids, params)
+
+
+@dataclass
+class SampleDelta:
+    prompt_index: int  # which prompt of the HTTP request
+    index: int  # sample index among that prompt's n samples
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+
+
+@dataclass
+class _Sample:
+    detok: object
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
+class _Job:
+    prompt_index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+    closed: bool = False  # released or aborted in the engine
+
+    @property
+    def done(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class Generation:
+    def __init__(self, client, metrics, tokenizer, prompts: list[list[int]], params: SamplingParams):
+        self._client = client
+        self._metrics = metrics
+        self._params = params
+        self._arrival = time.monotonic()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pending: deque = deque()
+        base = uuid.uuid4().hex
+        self._jobs = [
+            _Job(
+                prompt_index=i,
+                request_id=f"{base}-{i}",
+                prompt_token_ids=ids,
+                samples=[_Sample(make_detokenizer(tokenizer, ids, params)) for _ in range(params.n)],
+            )
+            for i, ids in enumerate(prompts)
+        ]
+        self._by_id = {job.request_id: job for job in self._jobs}
+
+    # ------------------------------------------------------------------------------- start/stop
+
+    async def start(self, prompt_param: str) -> None:
+        """Submit every prompt and wait until the engine accepted all of them."""
+        for job in self._jobs:
+            self._client.submit(job.request_id, job.prompt_token_ids, self._params, self._queue)
+        waiting = set(self._by_id)
+        try:
+            while waiting:
+                event = await self._queue.get()
+                if isinstance(event, Accepted):
+                    waiting.discard(event.request_id)
+                    continue
+                if isinstance(event, EngineDead):
+                    raise RequestError(503, f"The engine is not available: {event.reason}", None, "engine_dead")
+                if isinstance(event, Rejected):
+                    raise bad_request(event.message, prompt_param, "prompt_rejected")
+                self._pending.append(event)  # an update of an accepted prompt: replay it later
+            for job in self._jobs:
+                self._metrics.prompt_tokens.inc(len(job.prompt_token_ids))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Abort every engine request not finished yet; count its unfinished samples as aborted."""
+        for job in self._jobs:
+            if job.closed:
+                continue
+            job.closed = True
+            self._client.abort(job.request_id)
+            for sample in job.samples:
+                if sample.finish_reason is None:
+                    sample.finish_reason = "abort"
+                    self._metrics.finished("abort")
+
+    # ------------------------------------------------------------------------------- results
+
+    @property
+    def finished(self) -> bool:
+        """Every sample of every prompt has ended (the last delta has been yielded)."""
+        return all(job.done for job in self._jobs)
+
+    @property
+    def usage(self) -> dict:
+        prompt = sum(len(job.prompt_token_ids) for job in self._jobs)
+        completion = sum(len(s.token_ids) for job in self._jobs for s in job.samples)
+        cached = sum(job.num_cached_tokens for job in self._jobs)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    async def deltas(self) -> AsyncIterator[SampleDelta]:
+        while not self.finished:
+            event = self._pending.popleft() if self._pending else await self._queue.get()
+            if isinstance(event, Accepted):
+                continue
+            if isinstance(event, EngineDead):
+                raise RequestError(503, f"The engine is not available: {event.reason}", None, "engine_dead")
+            if isinstance(event, Rejected):  # cannot happen after start(); be explicit anyway
+                raise bad_request(event.message, None, "prompt_rejected")
+            delta = self._apply(event)
+            if delta is not None:
+                yield delta
+
+    def _apply(self, update: StepUpdate) -> SampleDelta | None:
+        job = self._by_id.get(update.request_id)
+        if job is None or update.index >= len(job.samples):
+            return None
+        sample = job.samples[update.index]
+        if sample.finish_reason is not None:
+            return None  # this sample already ended here (a stop string); the engine ran on
+        now = time.monotonic()
+        job.num_cached_tokens = max(job.num_cached_tokens, update.num_cached_tokens)
+        if update.new_token_ids and job.first_token_time is None:
+            job.first_token_time = now
+            self._metrics.ttft.observe(now - self._arrival)
+        if update.new_token_ids and sample.last_token_time is not None:
+            gap = (now - sample.last_token_time) / len(update.new_token_ids)
+            for _ in update.new_token_ids:
+                self._metrics.itl.observe(gap)
+        if update.new_token_ids:
+            sample.last_token_time = now
+
+        # Feed tokens one at a time so we know exactly which token completed a stop string.
+        text_parts: list[str] = []
+        kept: list[int] = []
+        for token_id in update.new_token_ids:
+            kept.append(token_id)
+            text_parts.append(sample.detok.append([token_id]))
+            if sample.detok.stopped:
+                break
+        sample.token_ids.extend(kept)
+        self._metrics.generation_tokens.inc(len(kept))
+        logprobs = update.new_logprobs[: len(kept)] if update.new_logprobs is not None else None
+
+        finish = None
+        if sample.detok.stopped:
+            finish = "stop"
+        elif update.finish_reason is not None:
+            finish = update.finish_reason
+            text_parts.append(sample.detok.flush())
+        if finish is not None:
+            sample.finish_reason = finish
+            self._metrics.finished(finish)
+            if update.finish_reason is None:
+                # A stop string ended this sample while the engine was still generating it.
+                self._client.abort(job.request_id, update.index)
+            if job.done and not job.closed:
+                job.closed = True
+                self._metrics.e2e.observe(now - self._arrival)
+                self._client.release(job.request_id)
+        return SampleDelta(job.prompt_index, update.index, "".join(text_parts), kept, logprobs, finish)

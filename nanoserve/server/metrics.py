@@ -1,0 +1,130 @@
+"""Prometheus metrics of the API server, in a registry of its own (never the global one).
+
+Request-level series (finish reasons, token counts, TTFT, inter-token latency, end-to-end
+latency) are recorded by the request handler as tokens arrive; engine-level gauges (running and
+waiting requests, KV pages, prefix-cache hit rate) are refreshed from the engine's stats on each
+scrape, so /metrics shows freed pages as soon as the engine has freed them.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401 - re-exported for the app
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        label = {"model_name": model_name}
+        r = self.registry
+
+        def counter(name, doc, labels=()):
+            return Counter(name, doc, ["model_name", *labels], registry=r)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, ["model_name"], registry=r).labels(**label)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(**label)
+
+        self._finished = counter("nanoserve_request_finished", "Finished samples by finish reason", ["finish_reason"])
+        self._label = label
+        self.prompt_tokens = counter("nanoserve_prompt_tokens", "Prompt tokens processed").labels(**label)
+        self.generation_tokens = counter("nanoserve_generation_tokens", "Tokens generated").labels(**label)
+        self.ttft = histogram("nanoserve_time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
+        self.itl = histogram("nanoserve_inter_token_latency_seconds", "Time between two output tokens", _ITL_BUCKETS)
+        self.e2e = histogram(
+            "nanoserve_e2e_request_latency_seconds", "Request latency, arrival to end", _LATENCY_BUCKETS
+        )
+        self.running = gauge("nanoserve_num_requests_running", "Requests being decoded/prefilled by the engine")
+        self.waiting = gauge("nanoserve_num_requests_waiting", "Requests queued in the engine")
+        self.in_flight = gauge("nanoserve_server_requests_in_flight", "Engine requests the API server is tracking")
+        self.kv_total = gauge("nanoserve_kv_cache_pages_total", "KV cache pages")
+        self.kv_free = gauge("nanoserve_kv_cache_pages_free", "KV cache pages free")
+        self.kv_cached = gauge("nanoserve_kv_cache_pages_cached", "KV cache pages held only by the prefix cache")
+        self.kv_in_use = gauge("nanoserve_kv_cache_pages_in_use", "KV cache pages held by requests")
+        self.kv_usage = gauge("nanoserve_kv_cache_usage_ratio", "Fraction of KV cache pages held by requests")
+        self.prefix_hit_rate = gauge("nanoserve_prefix_cache_hit_rate", "Prefix cache hit tokens / query tokens")
+        self.prefix_queries = gauge(
+            "nanoserve_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_hits = gauge("nanoserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache")
+        for reason in ("stop", "length", "abort"):
+            self._finished.labels(finish_reason=reason, **label)  # export zeros from the start
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(finish_reason=reason, **self._label).inc()
+
+    def update_engine(self, stats: dict, in_flight: int) -> None:
+        total = int(stats.get("kv_pages_total", 0))
+        free = int(stats.get("kv_pages_free", 0))
+        cached = int(stats.get("kv_pages_cached", 0))
+        # Pages the prefix cache holds can be evicted at any time: they are not "in use".
+        in_use = max(total - free - cached, 0)
+        self.kv_total.set(total)
+        self.kv_free.set(free)
+        self.kv_cached.set(cached)
+        self.kv_in_use.set(in_use)
+        self.kv_usage.set(in_use / total if total else 0.0)
+        self.running.set(int(stats.get("requests_running", 0)))
+        self.waiting.set(int(stats.get("requests_waiting", 0)))
+        self.in_flight.set(in_flight)
+        queries = int(stats.get("prefix_cache_query_tokens", 0))
+        hits = int(stats.get("prefix_cache_hit_tokens", 0))
+        self.prefix_queries.set(queries)
+        self.prefix_hits.set(hits)
+        self.prefix_hit_rate.set(hits / queries if queries else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,405 @@
+"""Request models of the HTTP API (OpenAI completions/chat and the native /generate) and errors.
+
+Validation happens here, at the edge, and is strict: wrong JSON types are not coerced, values
+out of range are refused, and every field is either honoured by the engine or rejected with a
+400 that names it. Unknown fields are refused (extra="forbid"); OpenAI fields we know but cannot
+honour (tools, logit_bias, suffix, ...) are listed explicitly so the message says why.
+
+Invariants:
+- A request model that validates converts to a `SamplingParams` (`to_sampling_params`); any
+  ValueError left (cross-field rules of SamplingParams) is turned into a 400 by the caller.
+- Every error leaves this module as `RequestError(status, message, param, code)`, rendered by
+  `error_body` as OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from nanoserve.sampling_params import SamplingParams
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+# ------------------------------------------------------------------------------------------ errors
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class RequestError(Exception):
+    """An error answered to the client; `param` names the offending field when there is one."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> RequestError:
+    return RequestError(400, message, param, code)
+
+
+def error_body(err: RequestError) -> dict:
+    return {
+        "error": {
+            "message": err.message,
+            "type": _ERROR_TYPES.get(err.status, "invalid_request_error"),
+            "param": err.param,
+            "code": err.code,
+        }
+    }
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def validation_error_to_request_error(exc: ValidationError) -> RequestError:
+    err = exc.errors(include_url=False)[0]
+    param = _loc_to_param(tuple(err["loc"]))
+    kind = err["type"]
+    if kind == "json_invalid":
+        return bad_request(f"Request body is not valid JSON: {err['msg']}", None, "invalid_json")
+    if kind == "extra_forbidden":
+        return bad_request(f"Unknown field '{param}': nanoserve does not support it", param, "unknown_field")
+    if kind == "missing":
+        return bad_request(f"Missing required field '{param}'", param, "missing_field")
+    msg = err["msg"]
+    if kind == "value_error":  # our own validators: drop pydantic's "Value error, " prefix
+        msg = msg.removeprefix("Value error, ")
+    where = f"'{param}'" if param else "request body"
+    return bad_request(f"Invalid value for {where}: {msg}", param, "invalid_value")
+
+
+def sampling_error_to_request_error(exc: ValueError) -> RequestError:
+    """SamplingParams raises 'SamplingParams.<field> ...'; keep the field as param."""
+    text = str(exc)
+    param = None
+    if text.startswith("SamplingParams."):
+        param = text.removeprefix("SamplingParams.").split(" ", 1)[0]
+    return bad_request(text, param, "invalid_value")
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+class _Strict(BaseModel):
+    # strict: "1" is not an int, 1 is not a bool; forbid: unknown fields are errors, not ignored.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+def _check_stop(value: Any) -> Any:
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ValueError("must be a string or a list of strings")
+    if not all(stops):
+        raise ValueError("stop strings must not be empty")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
+    return stops
+
+
+class _SamplingFields(_Strict):
+    """Sampling and stopping fields shared by completions and chat (OpenAI names + vLLM extras)."""
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)  # -1 or 0: off
+    min_p: float = Field(0.0, ge=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: Any = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the operator's logs; has no effect on output
+    # Known OpenAI fields that the engine cannot honour: accepted only at their neutral value.
+    logit_bias: dict[str, float] | None = None
+
+    _check_stop = field_validator("stop")(classmethod(lambda cls, v: _check_stop(v)))
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, value):
+        if value is not None and any(t < 0 for t in value):
+            raise ValueError("token ids must be >= 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value):
+        if value:
+            raise ValueError("logit_bias is not supported by nanoserve")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=float(self.temperature),
+            top_p=float(self.top_p),
+            top_k=-1 if self.top_k in (0, -1) else self.top_k,
+            min_p=float(self.min_p),
+            seed=self.seed,
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            repetition_penalty=float(self.repetition_penalty),
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=list(self.stop) if self.stop else None,
+            stop_token_ids=list(self.stop_token_ids) if self.stop_token_ids else None,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default; null: up to the context length
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value):
+        """str | list[str] | list[int] | list[list[int]], never empty, returned as a list."""
+
+        def is_tok(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if isinstance(value, str) or isinstance(value, list) and value and all(is_tok(t) for t in value):
+            value = [value]
+        if not isinstance(value, list) or not value:
+            raise ValueError("must be a non-empty string, list of strings, list of token ids or list of those")
+        for item in value:
+            if isinstance(item, str):
+                if not item:
+                    raise ValueError("prompt must not be empty")
+            elif isinstance(item, list):
+                if not item:
+                    raise ValueError("prompt must not be empty")
+                if not all(is_tok(t) for t in item):
+                    raise ValueError("token id prompts must contain only integers")
+                if any(t < 0 for t in item):
+                    raise ValueError("token ids must be >= 0")
+            else:
+                # pydantic turns only ValueError into a validation error (a 400 naming the field)
+                raise ValueError("must be a string, list of strings, list of token ids or list of those")  # noqa: TRY004
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value is not None:
+            raise ValueError("suffix (insertion) is not supported by nanoserve")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+        if self.echo and self.logprobs is not None:
+            # OpenAI would return prompt log-probabilities here; the engine does not compute them.
+            raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
+        return self
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        return self._params(max_tokens, self.logprobs)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value):
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise ValueError(f"content part {i}: only parts of type 'text' are supported")
+        return value
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]  # json_object / json_schema would need constrained decoding
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Literal["none"] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value):
+        if value:
+            raise ValueError("tool calling is not supported by nanoserve")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise bad_request("max_tokens and max_completion_tokens disagree; send one of them", "max_tokens")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+    def template_messages(self) -> list[dict]:
+        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class GenerateSamplingParams(_Strict):
+    """The native endpoint's sampling block: SamplingParams' own field names."""
+
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    max_tokens: int | None = Field(16, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    stop: Any = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    skip_special_tokens: bool = True
+
+    _check_stop = field_validator("stop")(classmethod(lambda cls, v: _check_stop(v)))
+
+
+class GenerateRequest(_Strict):
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.text is None) == (self.input_ids is None):
+            raise bad_request("send exactly one of 'text' and 'input_ids'", "text")
+        if self.text is not None and not self.text:
+            raise bad_request("prompt must not be empty", "text")
+        if self.input_ids is not None:
+            if not self.input_ids:
+                raise bad_request("prompt must not be empty", "input_ids")
+            if any(t < 0 for t in self.input_ids):
+                raise bad_request("token ids must be >= 0", "input_ids")
+        return self
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        sp = self.sampling_params
+        return SamplingParams(
+            n=sp.n,
+            temperature=float(sp.temperature),
+            top_p=float(sp.top_p),
+            top_k=-1 if sp.top_k in (0, -1) else sp.top_k,
+            min_p=float(sp.min_p),
+            seed=sp.seed,
+            presence_penalty=float(sp.presence_penalty),
+            frequency_penalty=float(sp.frequency_penalty),
+            repetition_penalty=float(sp.repetition_penalty),
+            max_tokens=max_tokens,
+            min_tokens=sp.min_tokens,
+            stop=list(sp.stop) if sp.stop else None,
+            stop_token_ids=list(sp.stop_token_ids) if sp.stop_token_ids else None,
+            ignore_eos=sp.ignore_eos,
+            logprobs=sp.logprobs,
+            skip_special_tokens=sp.skip_special_tokens,
+        )
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize: used by the serving benchmark to measure ShareGPT lengths in tokens."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
+        return self
+
+
+def parse(model: type[BaseModel], body: bytes) -> Any:
+    """Validate a raw JSON body into `model`, raising RequestError on any problem."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error_to_request_error(exc) from None

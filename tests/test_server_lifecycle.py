@@ -1,0 +1,170 @@
+"""Server process lifecycle with a fake engine (fast to start): engine death and load failure.
+
+The engine process imports the fake from this module (the spawned child finds it through
+PYTHONPATH), so these tests exercise the real ZMQ link, the real API server and the real exit
+paths without loading a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("zmq")
+
+from nanoserve.outputs import StepUpdate
+
+TESTS = str(Path(__file__).resolve().parent)
+
+
+class FakeEngine:
+    """LLMEngine's interface without a model: every sample emits token 7 every 20 ms."""
+
+    def __init__(self, config):
+        self.tokenizer = None
+        self.max_model_len = 256
+        self.model_config = SimpleNamespace(max_model_len=256, vocab_size=1000, eos_token_ids=[0], name="fake")
+        self._reqs: dict[tuple[str, int], list] = {}  # (id, index) -> [params, prompt_len, n_out, reason]
+        self._done: list[StepUpdate] = []
+
+    def add_request(self, request_id, prompt_token_ids, params):
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is 256")
+        for i in range(params.n):
+            self._reqs[(request_id, i)] = [params, len(prompt_token_ids), 0]
+
+    def abort_request(self, request_id, index=None):
+        for key in [k for k in self._reqs if k[0] == request_id and index in (None, k[1])]:
+            _, plen, _ = self._reqs.pop(key)
+            self._done.append(StepUpdate(key[0], key[1], [], None, "abort", plen))
+
+    def has_unfinished_requests(self):
+        return bool(self._reqs or self._done)
+
+    def step(self):
+        time.sleep(0.02)
+        out, self._done = self._done, []
+        for key, state in list(self._reqs.items()):
+            params, plen, n_out = state
+            state[2] = n_out + 1
+            reason = "length" if params.max_tokens is not None and state[2] >= params.max_tokens else None
+            if reason:
+                del self._reqs[key]
+            out.append(StepUpdate(key[0], key[1], [7], None, reason, plen))
+        return out
+
+    def stats(self):
+        return {"kv_pages_total": 10, "kv_pages_free": 10 - len(self._reqs), "requests_running": len(self._reqs)}
+
+
+def failing_engine(config):
+    raise RuntimeError("this engine cannot load: weights are missing (fake)")
+
+
+def _server(factory: str):
+    from test_server_e2e import ServerProcess  # the same launcher as the end-to-end tests
+
+    code = (
+        "import sys; from nanoserve.config import EngineConfig; from nanoserve.server.launch import run_server; "
+        f"sys.exit(run_server(EngineConfig.create('fake'), 'fake', port=0, engine_factory={factory!r}))"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
+    return ServerProcess([sys.executable, "-c", code], env)
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    srv = _server("test_server_lifecycle:FakeEngine")
+    try:
+        srv.wait_ready(60)
+        yield srv
+    finally:
+        srv.kill()
+
+
+def sse_events(resp) -> list:
+    events = [line[len("data: ") :] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_multi_prompt_n_stream_and_tokenizerless_model(fake_server):
+    with httpx.Client(base_url=fake_server.url, timeout=30) as http:
+        body = {"prompt": [[1, 2], [3, 4, 5]], "n": 2, "max_tokens": 3, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            chunks = sse_events(resp)
+        finals = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks if c["choices"]}
+        assert finals == {0: "length", 1: "length", 2: "length", 3: "length"}  # prompt i, sample j -> i * n + j
+        assert "usage" in chunks[-1] and chunks[-1]["usage"]["prompt_tokens"] == 5
+        assert chunks[-1]["usage"]["completion_tokens"] == 12
+        assert all("usage" not in c for c in chunks[:-1])
+        # A model without tokenizer takes token ids only, and says so for text.
+        resp = http.post("/v1/completions", json={"prompt": "text"})
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "no_tokenizer"
+        out = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "echo": True}).json()
+        assert out["usage"] == {
+            "prompt_tokens": 2,
+            "completion_tokens": 2,
+            "total_tokens": 4,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+        assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 256
+
+
+def test_engine_death_answers_503_and_exits(fake_server):
+    """Runs last in this module: it kills the fake server's engine."""
+    from test_server_e2e import _proc_state, descendants
+
+    srv = fake_server
+    procs = descendants(srv.proc.pid) | {srv.proc.pid}
+    with httpx.Client(base_url=srv.url, timeout=30) as http:
+        ok = http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3}}).json()
+        assert ok["token_ids"] == [7, 7, 7] and ok["usage"]["completion_tokens"] == 3
+
+        result = {}
+
+        def long_request():
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_tokens": 200, "ignore_eos": True}}
+            result["resp"] = http.post("/generate", json=body)
+
+        body = {"input_ids": [1, 2], "stream": True, "sampling_params": {"max_tokens": 200}}
+        with http.stream("POST", "/generate", json=body) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: {")
+            waiter = threading.Thread(target=long_request)
+            waiter.start()
+            time.sleep(0.3)
+            os.kill(srv.engine_pid, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        waiter.join(10)
+        # The open stream is told why and still ends properly; the waiting request gets 503.
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: ") :])["error"]["code"] == "engine_dead"
+        assert result["resp"].status_code == 503
+        assert result["resp"].json()["error"]["type"] == "service_unavailable_error"
+    assert srv.wait_exit(10) == 1
+    assert "engine process exited unexpectedly" in srv.log
+    deadline = time.monotonic() + 10
+    while any(_proc_state(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in procs if _proc_state(p)]
+
+
+def test_engine_load_failure_exits_with_the_reason():
+    srv = _server("test_server_lifecycle:failing_engine")
+    try:
+        assert srv.wait_exit(60) == 1
+        assert "weights are missing (fake)" in srv.log
+        assert "nanoserve is ready" not in srv.log
+    finally:
+        srv.kill()
