@@ -64,7 +64,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         prompts = EXAMPLE_PROMPTS
     params = sampling_from_args(args)
-    llm = LLM(config=engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if config.node_rank > 0:  # multi-host tensor parallelism: this host runs worker ranks only
+        from nanoserve.distributed.tp_runner import run_worker_node
+
+        return run_worker_node(config)
+    llm = LLM(config=config)
     use_chat = not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)
     if use_chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)

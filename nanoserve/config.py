@@ -37,8 +37,15 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    cuda_graph_max_bs: int | None = None
+    cuda_graph_max_bs: int | None = None  # largest decode batch run by a CUDA graph; default from GPU memory
+    overlap_schedule: bool = True  # CUDA: schedule step N+1 while the GPU runs step N
     tensor_parallel_size: int = 1
+    # Multi-host tensor parallelism: the ranks are split evenly over `nnodes` hosts; every
+    # host runs the same command with its own `node_rank`; node 0 runs the engine (rank 0).
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of node 0's rendezvous (default: a free local port)
+    dist_timeout_s: float = 300.0  # a collective waiting longer than this on a peer fails
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -59,6 +66,11 @@ class EngineConfig:
         need(self.attention_backend in ("auto", "torch", "triton"), "attention_backend", "must be auto, torch or triton")
         need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "must be >= 0")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        need(self.nnodes >= 1 and self.tensor_parallel_size % self.nnodes == 0, "nnodes", "must be >= 1 and divide tensor_parallel_size")
+        need(0 <= self.node_rank < self.nnodes, "node_rank", "must be in [0, nnodes)")
+        need(self.nnodes == 1 or self.dist_init_addr is not None, "dist_init_addr", "is needed with nnodes > 1 (host:port of node 0)")
+        need(self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(), "dist_init_addr", "must be host:port")
+        need(self.dist_timeout_s > 0, "dist_timeout_s", "must be > 0")
 
     @staticmethod
     def create(model: str = DEFAULT_MODEL, **kwargs) -> "EngineConfig":
@@ -100,8 +112,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None, help="0: no CUDA graphs")
+    g.add_argument("--no-overlap", action="store_true", help="simple loop: process each step's results before the next")
     g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    g.add_argument("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks span")
+    g.add_argument("--node-rank", type=int, default=0, help="this host's index; node 0 runs the engine")
+    g.add_argument("--dist-init-addr", default=None, help="host:port of node 0 for the rendezvous")
+    g.add_argument("--dist-timeout", type=float, default=300.0, help="seconds a collective may wait for a peer")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -123,5 +140,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_cache,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        overlap_schedule=not getattr(args, "no_overlap", False),
         tensor_parallel_size=args.tp,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
+        dist_timeout_s=args.dist_timeout,
     )

@@ -30,6 +30,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker ranks (also done when the LLM is garbage
+        collected and at exit); a no-op at TP=1."""
+        self.engine.shutdown()
+
     # ---- prompts -----------------------------------------------------------------------
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -1,10 +1,15 @@
 import os
 
-import pytest
-import torch
-
+# One intra-op thread: the tests run engines in several processes on a 2-core machine,
+# and OpenMP threads spinning against each other made tiny matmuls 200x slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

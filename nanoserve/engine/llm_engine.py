@@ -1,7 +1,9 @@
 """The engine core: requests in, tokens out, one scheduler step at a time.
 
-Owns: the scheduler, the model runner and the sampler for one model; request ids; the
-token-level stopping rules (EOS, stop token ids, max_tokens, max_model_len).
+Owns: the scheduler, the model runner and the sampler for one model; the page allocator
+and the radix prefix cache (`enable_prefix_caching`, handed to the scheduler, which alone
+changes them); request ids; the token-level stopping rules (EOS, stop token ids,
+max_tokens, max_model_len).
 Stop *strings* need text and are the front end's job (`nanoserve.detokenizer`), which
 aborts a sample once its text contains one.
 
@@ -18,9 +20,11 @@ import time
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.distributed.tp_runner import agree_kv_plan, init_tensor_parallel, wrap_runner
 from nanoserve.engine.model_runner import ModelRunner, plan_kv_capacity
 from nanoserve.engine.sampler import SampleRow, Sampler
 from nanoserve.kvcache.pool import PageAllocator
+from nanoserve.kvcache.radix import RadixCache
 from nanoserve.models.decoder import kv_heads_per_rank
 from nanoserve.models.loader import build_model
 from nanoserve.models.registry import resolve_model
@@ -35,8 +39,7 @@ log = logging.getLogger("nanoserve")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        if config.tensor_parallel_size != 1:
-            raise NotImplementedError("tensor parallelism is not available yet (tensor_parallel_size must be 1)")
+        tp = init_tensor_parallel(config)  # TP > 1: rank 0 spawns and joins the worker ranks
         self.config = config
         started = time.perf_counter()
         source = resolve_model(config.model)
@@ -48,25 +51,32 @@ class LLMEngine:
         cfg = source.config
         wanted_len = config.max_model_len or cfg.max_position_embeddings
         torch.manual_seed(config.seed)
-        model = build_model(source, config.load_format, self.dtype, self.device, config.seed, max_positions=wanted_len)
-        plan = plan_kv_capacity(config, cfg, kv_heads_per_rank(cfg, model.tp), self.dtype, self.device)
-        self.runner = ModelRunner(config, model, plan, self.device, self.dtype)
+        model = build_model(source, config.load_format, self.dtype, self.device, config.seed, max_positions=wanted_len, tp=tp)
+        plan = agree_kv_plan(plan_kv_capacity(config, cfg, kv_heads_per_rank(cfg, model.tp), self.dtype, self.device), tp)
+        self.runner = wrap_runner(ModelRunner(config, model, plan, self.device, self.dtype), tp)
         self.max_model_len = min(wanted_len, plan.num_tokens)
         self.model_config = cfg
         self.allocator = PageAllocator(plan.num_pages)
+        self.prefix_cache = RadixCache(self.allocator, plan.page_size) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.allocator,
             plan.page_size,
             config.max_num_seqs,
             config.chunked_prefill_size,
             copy_page=self.runner.kv_cache.copy_page,
+            prefix_cache=self.prefix_cache,
         )
         self.sampler = Sampler(self.device, config.seed)
+        self.runner.setup_cuda_graphs(self.max_model_len)
+        # Overlap scheduling (CUDA by default; tests force it on CPU by setting the attribute).
+        self.overlap = config.overlap_schedule and self.device.type == "cuda"
+        self._inflight: _InFlight | None = None
+        self.gpu_wait_s = 0.0  # host time spent waiting for sampled tokens (profiling)
         self._arrivals = itertools.count()
         self._pending_updates: list[StepUpdate] = []
         log.info(
             "nanoserve: %s on %s (%s), attention=%s, KV cache %d tokens (%d pages of %d, %.2f GiB), "
-            "max_model_len %d, ready in %.1f s",
+            "prefix cache %s, max_model_len %d, ready in %.1f s",
             cfg.name,
             self.device,
             str(self.dtype).removeprefix("torch."),
@@ -75,6 +85,7 @@ class LLMEngine:
             plan.num_pages,
             plan.page_size,
             plan.num_pages * plan.page_size * plan.bytes_per_token / 2**30,
+            "on" if self.prefix_cache is not None else "off",
             self.max_model_len,
             time.perf_counter() - started,
         )
@@ -112,28 +123,111 @@ class LLMEngine:
     def abort_request(self, request_id: str, index: int | None = None) -> None:
         for req in self.scheduler.find(request_id):
             if index is None or req.index == index:
-                self.scheduler.finish(req, "abort")
+                self._finish(req, "abort")
                 self._pending_updates.append(self._update(req))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending_updates)
+        return self.scheduler.has_work() or bool(self._pending_updates) or self._inflight is not None
 
     # ---- stepping ----------------------------------------------------------------------
 
     def step(self) -> list[StepUpdate]:
+        """One scheduler step. Simple loop: launch the step and process its results.
+        Overlap loop: launch step N+1, then process step N's results while the GPU runs
+        N+1 (its input tokens are read on the device from the runner's token pool)."""
         updates, self._pending_updates = self._pending_updates, []
+        if self._inflight is not None and self._needs_history():
+            # Penalties read each request's tokens on the host: finish the step in flight.
+            done, self._inflight = self._inflight, None
+            updates += self._process(done)
         batch = self.scheduler.schedule()
-        if batch is None:
-            return updates
+        launched = self._launch(batch) if batch is not None else None
+        if self.overlap:
+            done, self._inflight = self._inflight, launched
+        else:
+            done = launched
+        if done is not None:
+            updates += self._process(done)
+        updates += self._pending_updates  # aborts/finishes noticed while processing
+        self._pending_updates = []
+        return updates
+
+    def _needs_history(self) -> bool:
+        sched = self.scheduler
+        return any(r.params.has_penalties for r in (*sched.running, *sched.waiting))
+
+    def _launch(self, batch: ScheduledBatch) -> "_InFlight":
+        """Forward + sampling of one batch, queued on the device. Each sampling request
+        gets a placeholder token (-1) that `_process` fills in; its sampled token also
+        goes to the token pool at the request's slot, where the next step reads it."""
         samplers = [i for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens)) if n == r.num_uncomputed]
-        logits = self.runner.forward(batch, samplers)
+        inputs = self.runner.prepare(batch, samplers)
+        logits = self.runner.execute(inputs)
         self.scheduler.complete_step(batch)
         rows, sample_reqs = self._expand_forks(batch, samplers)
-        tokens, logprobs = self.sampler(logits[rows], [self._sample_row(r) for r in sample_reqs])
-        for req, token, lp in zip(sample_reqs, tokens, logprobs):
-            self._append_token(req, token, lp)
-            updates.append(self._update(req))
+        record = _InFlight(sample_reqs, {id(r) for r in batch.requests} | {id(r) for r in sample_reqs})
+        if not sample_reqs:
+            return record
+        if rows != list(range(logits.shape[0])):
+            logits = logits[_on_device(rows, self.device)]
+        sample_rows = [self._sample_row(r) for r in sample_reqs]
+        record.result = self.sampler.sample(logits, sample_rows)
+        for req in sample_reqs:
+            record.positions.append(len(req.token_ids))
+            req.token_ids.append(-1)
+        tokens = record.result.tokens
+        self.runner.token_pool[_on_device([r.slot for r in sample_reqs], self.device)] = tokens
+        if tokens.is_cuda:
+            record.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            record.host.copy_(tokens, non_blocking=True)
+            record.event = torch.cuda.Event()
+            record.event.record()
+        return record
+
+    def _process(self, record: "_InFlight") -> list[StepUpdate]:
+        """Fill in the sampled tokens of a launched step, apply the stopping rules and
+        report. A request finished (or aborted) since the launch drops its token."""
+        updates: list[StepUpdate] = []
+        if record.reqs:
+            if record.event is not None:
+                waited = time.perf_counter()
+                record.event.synchronize()
+                self.gpu_wait_s += time.perf_counter() - waited
+                host = record.host.tolist()
+            else:
+                host = None
+            tokens, logprobs = record.result.to_host(host)
+            for req, pos, token, lp in zip(record.reqs, record.positions, tokens, logprobs):
+                if req.finish_reason is not None or pos >= len(req.token_ids):
+                    continue  # finished in an earlier step: this extra token is never shown
+                req.token_ids[pos] = token
+                if lp is not None:
+                    req.logprobs = (req.logprobs or []) + [lp]
+                reason = self._stop_reason(req, token, pos + 1)
+                if reason is not None:
+                    self._finish(req, reason)
+                updates.append(self._update(req))
+        for req in record.deferred:
+            self.scheduler.finish(req, req.finish_reason)
         return updates
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """Finish `req` for the caller now; its pages and slot go back now, or, if a
+        launched step still uses it, once that step has been processed. Tokens still
+        being sampled for it (placeholders) are dropped."""
+        while req.token_ids and req.token_ids[-1] < 0 and len(req.token_ids) > req.num_computed:
+            req.token_ids.pop()
+        inflight = self._inflight
+        if inflight is not None and id(req) in inflight.members and not req.is_finished:
+            sched = self.scheduler
+            if req in sched.running:
+                sched.running.remove(req)
+            elif req in sched.waiting:
+                sched.waiting.remove(req)
+            req.finish_reason = reason
+            inflight.deferred.append(req)
+        else:
+            self.scheduler.finish(req, reason)
 
     def _expand_forks(self, batch: ScheduledBatch, samplers: list[int]) -> tuple[list[int], list[Request]]:
         """Each sampling request samples from its logits row; a request with n > 1 whose
@@ -164,31 +258,33 @@ class LLMEngine:
 
     @staticmethod
     def _sample_row(req: Request) -> SampleRow:
+        if not req.params.has_penalties:  # only penalties read the history: skip the copies
+            return SampleRow(req.params, req.generator, [], [])
         return SampleRow(req.params, req.generator, req.token_ids[: req.prompt_len], req.output_token_ids)
 
-    def _append_token(self, req: Request, token: int, logprob) -> None:
-        req.token_ids.append(token)
-        if logprob is not None:
-            req.logprobs = (req.logprobs or []) + [logprob]
+    def _stop_reason(self, req: Request, token: int, length: int) -> str | None:
+        """Why `req` stops after `token`, its token number `length` (prompt included)."""
         p = req.params
-        n_out = req.num_output_tokens
-        reason = None
+        n_out = length - req.prompt_len
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.model_config.eos_token_ids:
-                reason = "stop"
-            elif p.stop_token_ids and token in p.stop_token_ids:
-                reason = "stop"
-        if reason is None and p.max_tokens is not None and n_out >= p.max_tokens:
-            reason = "length"
-        if reason is None and len(req.token_ids) >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(req, reason)
+                return "stop"
+            if p.stop_token_ids and token in p.stop_token_ids:
+                return "stop"
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return "length"
+        if length >= self.max_model_len:
+            return "length"
+        return None
 
     def _update(self, req: Request) -> StepUpdate:
-        new = req.output_token_ids[req.num_reported :]
-        new_lp = req.logprobs[req.num_reported :] if req.logprobs is not None else None
-        req.num_reported = req.num_output_tokens
+        end = len(req.token_ids)
+        while end > req.prompt_len and req.token_ids[end - 1] < 0:
+            end -= 1  # tokens still being sampled are reported by a later step
+        n_out = end - req.prompt_len
+        new = req.token_ids[req.prompt_len + req.num_reported : end]
+        new_lp = req.logprobs[req.num_reported : n_out] if req.logprobs is not None else None
+        req.num_reported = n_out
         return StepUpdate(
             request_id=req.request_id,
             index=req.index,
@@ -202,17 +298,52 @@ class LLMEngine:
     # ---- introspection -----------------------------------------------------------------
 
     def stats(self) -> dict:
+        """Counters and gauges. KV pages: free + cached + held by requests == total, where
+        `kv_pages_cached` counts pages only the prefix cache holds (reclaimable at once if
+        unlocked); idle, free + cached == total. Prefix-cache counters are prompt tokens
+        looked up and found at admission (a re-admission after preemption counts again);
+        `prefill_tokens_computed` is what prefill steps actually ran."""
         sched = self.scheduler
+        cache = self.prefix_cache
         return {
             "kv_pages_total": self.allocator.num_usable,
             "kv_pages_free": self.allocator.num_free,
-            "kv_pages_cached": 0,
+            "kv_pages_cached": cache.num_cache_only_pages() if cache is not None else 0,
             "page_size": sched.page_size,
             "requests_running": len(sched.running),
             "requests_waiting": len(sched.waiting),
             "num_preemptions": sched.num_preemptions,
             "max_model_len": self.max_model_len,
+            "prefix_caching": cache is not None,
+            "prefix_cache_query_tokens": cache.query_tokens if cache is not None else 0,
+            "prefix_cache_hit_tokens": cache.hit_tokens if cache is not None else 0,
+            "prefix_cache_hit_rate": cache.hit_rate if cache is not None else 0.0,
+            "prefill_tokens_computed": sched.num_prefill_tokens,
         }
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker ranks (nothing to do at TP=1); idempotent."""
+        stop = getattr(self.runner, "shutdown", None)
+        if callable(stop):
+            stop()
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+
+
+class _InFlight:
+    """A launched step whose sampled tokens have not been processed yet."""
+
+    def __init__(self, reqs: list[Request], members: set[int]):
+        self.reqs = reqs  # the sampling requests (forks included), one per sampled token
+        self.members = members  # id() of every request the step uses
+        self.positions: list[int] = []  # index of each request's placeholder in token_ids
+        self.result = None  # SampleResult
+        self.host: torch.Tensor | None = None  # pinned copy of the tokens (CUDA)
+        self.event: torch.cuda.Event | None = None
+        self.deferred: list[Request] = []  # finished meanwhile: release after processing
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.long)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)

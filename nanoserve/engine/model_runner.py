@@ -18,6 +18,7 @@ import torch
 from nanoserve.attention import get_backend
 from nanoserve.attention.base import AttentionMetadata, ForwardBatch
 from nanoserve.config import EngineConfig
+from nanoserve.engine.cuda_graph import DecodeGraphs, default_max_bs
 from nanoserve.kvcache.pool import KVCache
 from nanoserve.models.decoder import DecoderLM, kv_heads_per_rank
 from nanoserve.models.model_config import ModelConfig
@@ -69,11 +70,33 @@ class ModelRunner:
         self.kv_cache = KVCache(
             cfg.num_layers, plan.num_pages, plan.page_size, kv_heads_per_rank(cfg, model.tp), cfg.head_dim, dtype, device
         )
-        self.backend = get_backend(config.attention_backend, device)
+        self.backend = get_backend(config.attention_backend, device, max_num_reqs=config.max_num_seqs)
+        # Last sampled token of each request slot, kept on the device: a decode step whose
+        # input token is still being sampled (overlap scheduling) reads it from here.
+        self.token_pool = torch.zeros(config.max_num_seqs, dtype=torch.long, device=device)
+        self.graphs: DecodeGraphs | None = None
+
+    def setup_cuda_graphs(self, max_model_len: int) -> None:
+        """Capture decode graphs (CUDA only, Triton attention only; off with enforce_eager
+        or cuda_graph_max_bs=0)."""
+        cfg = self.config
+        if self.device.type != "cuda" or cfg.enforce_eager or cfg.cuda_graph_max_bs == 0:
+            return
+        if self.backend.name != "triton":
+            log.info("decode CUDA graphs off: the %s attention backend is eager-only", self.backend.name)
+            return
+        max_bs = cfg.cuda_graph_max_bs
+        max_bs = default_max_bs(self.device, cfg.max_num_seqs) if max_bs is None else min(max_bs, cfg.max_num_seqs)
+        self.graphs = DecodeGraphs(self, max_bs, max_model_len)
+        self.graphs.capture()
 
     def prepare(self, batch: ScheduledBatch, sample_rows: list[int]) -> "ForwardInputs":
         """Device tensors for one forward. `sample_rows` (indices into batch.requests) are
-        the requests whose last new token's logits are wanted."""
+        the requests whose last new token's logits are wanted. A token id < 0 is a token
+        still being sampled on the device: it is read from `token_pool` at the request's
+        slot (only a request's last token can be one). A decode batch that a captured
+        graph covers is padded to the graph's size with dummy rows (slot 0 in the reserved
+        page 0, sequence length 0)."""
         ps = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -81,43 +104,93 @@ class ModelRunner:
         seq_lens: list[int] = []
         prefix_lens: list[int] = []
         cu = [0]
+        pending = False
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed
-            input_ids.extend(req.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(req.pages[p // ps] * ps + p % ps for p in range(start, start + n))
+            ids = req.token_ids[start : start + n]
+            if ids[-1] < 0:
+                pending = True
+            input_ids.extend(ids)
+            pages = req.pages
+            if n == 1:
+                positions.append(start)
+                slots.append(pages[start // ps] * ps + start % ps)
+            else:
+                positions.extend(range(start, start + n))
+                slots.extend(pages[p // ps] * ps + p % ps for p in range(start, start + n))
             prefix_lens.append(start)
             seq_lens.append(start + n)
             cu.append(cu[-1] + n)
+        num_reqs = len(seq_lens)
         max_pages = -(-max(seq_lens) // ps)
-        table = [req.pages[:max_pages] + [0] * (max_pages - min(len(req.pages), max_pages)) for req in batch.requests]
+        table: list[int] = []  # flat [rows, max_pages]: one torch.tensor call on a flat list is fast
+        for req in batch.requests:
+            row = req.pages[:max_pages]
+            table += row
+            if len(row) < max_pages:
+                table += [0] * (max_pages - len(row))
+        pool_index = None
+        if pending:
+            pool_index = [req.slot if (n == t) else 0 for req, n in zip(batch.requests, batch.num_new_tokens) for t in range(1, n + 1)]
+        graph_bs = None
+        if self.graphs is not None and batch.is_decode:
+            graph_bs = self.graphs.padded_size(num_reqs)
+        if graph_bs is not None and graph_bs > num_reqs:
+            pad = graph_bs - num_reqs
+            input_ids += [0] * pad
+            positions += [0] * pad
+            slots += [0] * pad
+            seq_lens_dev = seq_lens + [0] * pad
+            prefix_lens_dev = prefix_lens + [0] * pad
+            cu_dev = cu + list(range(cu[-1] + 1, cu[-1] + pad + 1))
+            table += [0] * (max_pages * pad)
+            if pool_index is not None:
+                pool_index += [0] * pad
+        else:
+            seq_lens_dev, prefix_lens_dev, cu_dev = seq_lens, prefix_lens, cu
 
         def dev(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+            t = torch.tensor(values, dtype=dtype)
+            return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
+        ids_dev = dev(input_ids, torch.long)
+        if pool_index is not None:
+            ids_dev = torch.where(ids_dev < 0, self.token_pool[dev(pool_index, torch.long)], ids_dev)
         meta = AttentionMetadata(
             is_decode=batch.is_decode,
-            seq_lens=dev(seq_lens, torch.int32),
-            prefix_lens=dev(prefix_lens, torch.int32),
-            cu_query_lens=dev(cu, torch.int32),
-            page_table=dev(table, torch.int32),
+            seq_lens=dev(seq_lens_dev, torch.int32),
+            prefix_lens=dev(prefix_lens_dev, torch.int32),
+            cu_query_lens=dev(cu_dev, torch.int32),
+            page_table=dev(table, torch.int32).view(-1, max_pages),
             slot_mapping=dev(slots, torch.int64),
             seq_lens_host=seq_lens,
             prefix_lens_host=prefix_lens,
             max_query_len=max(batch.num_new_tokens),
             max_seq_len=max(seq_lens),
         )
-        logit_rows = [cu[i + 1] - 1 for i in sample_rows]
-        return ForwardInputs(dev(input_ids, torch.long), dev(positions, torch.long), meta, dev(logit_rows, torch.long))
+        if graph_bs is not None:
+            return ForwardInputs(ids_dev, dev(positions, torch.long), meta, None, graph_bs, num_reqs)
+        all_rows = len(sample_rows) == num_reqs and cu[-1] == num_reqs
+        logit_rows = None if all_rows else dev([cu[i + 1] - 1 for i in sample_rows], torch.long)
+        return ForwardInputs(ids_dev, dev(positions, torch.long), meta, logit_rows, None, num_reqs)
 
     @torch.inference_mode()
     def execute(self, inputs: "ForwardInputs") -> torch.Tensor:
-        """Logits [len(inputs.logit_rows), vocab]: the forward pass of one batch. Every
-        tensor-parallel rank runs this on the same inputs."""
+        """Logits [number of sampled rows, vocab]: the forward pass of one batch, replayed
+        from a CUDA graph when `prepare` chose one. Every tensor-parallel rank runs this
+        on the same inputs."""
+        if inputs.graph_bs is not None:
+            return self.graphs.replay(inputs)
+        return self.forward_logits(inputs)
+
+    def forward_logits(self, inputs: "ForwardInputs") -> torch.Tensor:
+        """The eager forward (also what a decode graph captures)."""
         self.backend.prepare(inputs.meta)
         batch = ForwardBatch(inputs.meta, self.backend, self.kv_cache.k, self.kv_cache.v)
         hidden = self.model(inputs.input_ids, inputs.positions, batch)
-        return self.model.compute_logits(hidden[inputs.logit_rows])
+        if inputs.logit_rows is not None:
+            hidden = hidden[inputs.logit_rows]
+        return self.model.compute_logits(hidden)
 
     def forward(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
         return self.execute(self.prepare(batch, sample_rows))
@@ -131,4 +204,6 @@ class ForwardInputs:
     input_ids: torch.Tensor  # long [T]
     positions: torch.Tensor  # long [T]
     meta: AttentionMetadata
-    logit_rows: torch.Tensor  # long [R]: rows of the hidden states to project to logits
+    logit_rows: torch.Tensor | None  # long [R]: rows of the hidden states to project; None: all
+    graph_bs: int | None = None  # padded size of the decode graph to replay, None: eager
+    num_reqs: int = 0  # real requests (rows past it are padding)

@@ -63,12 +63,49 @@ def mask_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def _device_tensor(values, device: torch.device, dtype=None) -> torch.Tensor:
+    """A host list as a device tensor without a stream sync (pageable non-blocking copy)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+@dataclass
+class SampleResult:
+    """Sampled tokens still on the device, and what log-probabilities need: converted to
+    host values only by `to_host` (the one host sync, done when results are processed)."""
+
+    tokens: torch.Tensor  # long [N] on the device
+    rows: list[SampleRow]
+    lp_rows: list[int]  # rows that asked for logprobs
+    lp_chosen: torch.Tensor | None = None  # [len(lp_rows)]
+    lp_top_vals: torch.Tensor | None = None  # [len(lp_rows), k]
+    lp_top_ids: torch.Tensor | None = None
+
+    def to_host(self, tokens: list[int] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """`tokens`: host copy of `self.tokens` if the caller already has one."""
+        if tokens is None:
+            tokens = self.tokens.tolist()
+        result: list[TokenLogprobs | None] = [None] * len(self.rows)
+        if self.lp_rows:
+            chosen, vals, ids = self.lp_chosen.tolist(), self.lp_top_vals.tolist(), self.lp_top_ids.tolist()
+            for j, i in enumerate(self.lp_rows):
+                n = self.rows[i].params.logprobs
+                result[i] = TokenLogprobs(tokens[i], chosen[j], dict(zip(ids[j][:n], vals[j][:n])))
+        return tokens, result
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int):
-        self.device = device
+        self.device = torch.device(device)
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Host tokens and logprobs (syncs); the engine uses `sample` and converts later."""
+        return self.sample(logits, rows).to_host()
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+        """Tokens as a device tensor. No host sync unless a row has penalties (they read
+        the request's history, built on the host)."""
         logits = logits.float()
         raw = logits
         if any(r.params.has_penalties for r in rows):
@@ -76,22 +113,36 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
-            sub = logits[idx]
+            dev = logits.device
+            all_random = len(random_rows) == len(rows)
+            sub = logits if all_random else logits[_device_tensor(random_rows, dev, torch.long)]
             params = [rows[i].params for i in random_rows]
-            temps = torch.tensor([p.temperature for p in params], device=logits.device)
-            sub = sub / temps[:, None]
+            temps = [p.temperature for p in params]
+            if all(t == temps[0] for t in temps):
+                sub = sub / temps[0]
+            else:
+                sub = sub / _device_tensor(temps, dev, torch.float32)[:, None]
             if any(p.top_k != -1 or p.top_p < 1 or p.min_p > 0 for p in params):
                 vocab = sub.shape[1]
-                top_k = torch.tensor([p.top_k if p.top_k != -1 else vocab for p in params], device=logits.device)
-                top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-                min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+                top_k = _device_tensor([p.top_k if p.top_k != -1 else vocab for p in params], dev, torch.long)
+                top_p = _device_tensor([p.top_p for p in params], dev, torch.float32)
+                min_p = _device_tensor([p.min_p for p in params], dev, torch.float32)
                 sub = mask_logits(sub, top_k, top_p, min_p)
             probs = sub.softmax(dim=-1)
             noise = self._exponential_noise(probs.shape, [rows[i].generator for i in random_rows])
-            tokens[idx] = (probs / noise).argmax(dim=-1)
-        token_list = tokens.tolist()
-        return token_list, self._logprobs(raw, token_list, rows)
+            drawn = (probs / noise).argmax(dim=-1)
+            if all_random:
+                tokens = drawn
+            else:
+                tokens[_device_tensor(random_rows, dev, torch.long)] = drawn
+        result = SampleResult(tokens, rows, [i for i, r in enumerate(rows) if r.params.logprobs is not None])
+        if result.lp_rows:
+            idx = _device_tensor(result.lp_rows, logits.device, torch.long)
+            logp = raw[idx].log_softmax(dim=-1)
+            k = max(rows[i].params.logprobs for i in result.lp_rows)
+            result.lp_top_vals, result.lp_top_ids = logp.topk(max(k, 1), dim=-1)
+            result.lp_chosen = logp.gather(1, tokens[idx][:, None])[:, 0]
+        return result
 
     def _exponential_noise(self, shape, generators: list[torch.Generator | None]) -> torch.Tensor:
         noise = torch.empty(shape, device=self.device).exponential_(generator=self.generator)
@@ -99,19 +150,3 @@ class Sampler:
             if gen is not None:
                 noise[i].exponential_(generator=gen)
         return noise
-
-    @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SampleRow]) -> list[TokenLogprobs | None]:
-        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        result: list[TokenLogprobs | None] = [None] * len(rows)
-        if not wanted:
-            return result
-        logp = raw[wanted].log_softmax(dim=-1)
-        k = max(rows[i].params.logprobs for i in wanted)
-        top_vals, top_ids = logp.topk(max(k, 1), dim=-1)
-        chosen = logp[torch.arange(len(wanted)), torch.tensor([tokens[i] for i in wanted])]
-        top_vals, top_ids, chosen = top_vals.tolist(), top_ids.tolist(), chosen.tolist()
-        for j, i in enumerate(wanted):
-            n = rows[i].params.logprobs
-            result[i] = TokenLogprobs(tokens[i], chosen[j], dict(zip(top_ids[j][:n], top_vals[j][:n])))
-        return result

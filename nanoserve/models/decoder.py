@@ -14,7 +14,6 @@ metadata, backend and KV cache down to every attention layer.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.attention.base import ForwardBatch
@@ -27,6 +26,7 @@ from nanoserve.models.layers import (
     RowParallelLinear,
     RowSlice,
     VocabParallelEmbedding,
+    silu_and_mul,
 )
 from nanoserve.models.model_config import ModelConfig
 
@@ -83,8 +83,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

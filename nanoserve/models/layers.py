@@ -17,6 +17,7 @@ rank's slice out of a full checkpoint tensor.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,57 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import SINGLE, TPGroup
+
+
+# Fused elementwise ops on CUDA: the plain torch functions below compiled by torch.compile
+# (one kernel each, no host sync). The plain versions are the CPU path and the reference.
+# NANOSERVE_FUSED=0 turns the compiled versions off.
+FUSED_OPS = os.environ.get("NANOSERVE_FUSED", "1") != "0"
+_compiled: dict = {}
+
+
+def fused(fn):
+    """`fn` compiled for CUDA tensors when FUSED_OPS; the plain function otherwise."""
+
+    def call(*args):
+        if not (FUSED_OPS and args[0].is_cuda):
+            return fn(*args)
+        compiled = _compiled.get(fn)
+        if compiled is None:
+            compiled = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        return compiled(*args)
+
+    call.plain = fn
+    return call
+
+
+def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def add_rms_norm_plain(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    x = x + residual
+    return rms_norm_plain(x, weight, eps), x
+
+
+def silu_and_mul_plain(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_plain(positions, q, k, cos_table, sin_table):
+    cos = cos_table[positions].unsqueeze(1)
+    sin = sin_table[positions].unsqueeze(1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+rms_norm = fused(rms_norm_plain)
+add_rms_norm = fused(add_rms_norm_plain)
+silu_and_mul = fused(silu_and_mul_plain)
+rope = fused(rope_plain)
 
 
 class RMSNorm(nn.Module):
@@ -36,13 +88,8 @@ class RMSNorm(nn.Module):
         """With `residual`, adds it first and returns (normed, sum) so the sum can be the
         next residual; this is the fusion point for a fused kernel."""
         if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
-        return out if residual is None else (out, residual)
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -75,9 +122,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return rope(positions, q, k, self.cos, self.sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ Invariants:
   samples one more; a decode step is the case len(token_ids) - num_computed == 1;
 - len(pages) * P >= num_computed while the request holds pages; a request that is
   waiting from scratch holds no pages and no slot.
+- with a prefix cache, `pages` may start with cached pages the request retained at
+  admission; it then holds one lock on `prefix_node`, the node those pages end at.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class Request:
     index: int = 0  # sample index among the request's n
     status: Status = Status.WAITING
     num_computed: int = 0
-    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
+    admitted: bool = False  # given a slot once (a preempted request keeps its first count)
     pages: list[int] = field(default_factory=list)
     slot: int | None = None  # row of the request in per-slot device tables
     generator: torch.Generator | None = None

@@ -13,10 +13,25 @@ Policy:
 - a request with n > 1 samples is admitted with n slots and forked after its prompt is
   computed: the samples share its full pages; a partly filled last page is copied.
 
+Prefix cache (optional, `RadixCache`): on admission a request takes the longest cached
+page-aligned prefix of its tokens but the last (so a step always computes at least one
+token and has logits to sample from), locks its node and retains its pages, and computes
+only the rest; the cached pages then count as its own. Once its prompt is computed it
+inserts the prompt's KV, so requests arriving while it decodes share it (inserting only at
+the end would leave a burst of requests with a common prefix computing it each). When it
+finishes or is preempted it inserts all the KV it computed (tokens [0, num_computed)),
+then releases its pages and its lock, in that order; a preempted request thus usually
+finds its own KV again. The lock stays on the node matched at admission: pages inserted
+later are the request's own, so evicting them meanwhile frees nothing and is harmless.
+Allocation evicts cache-only pages (LRU) before deferring or preempting anyone.
+
 Invariants (checked by `check_invariants`, which tests call after every run):
 - a request is in exactly one of waiting, running, or neither (finished);
 - requests holding a slot <= max_num_seqs; a request without a slot holds no pages;
-- pages held by requests + pages held by the prefix cache + free pages == usable pages.
+- pages held by requests + pages held only by the prefix cache + free pages == usable
+  pages (a page both cached and held by a request counts once, as the request's);
+- a request holds one lock on `prefix_node` while it has a slot, and no other lock; with
+  no request queued no cache node is locked.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanoserve.kvcache.pool import PageAllocator
+from nanoserve.kvcache.radix import RadixCache
 from nanoserve.scheduler.request import Request, Status
 
 
@@ -52,7 +68,7 @@ class Scheduler:
         max_num_seqs: int,
         chunked_prefill_size: int,
         copy_page: Callable[[int, int], None],
-        prefix_cache=None,
+        prefix_cache: RadixCache | None = None,
     ):
         self.allocator = allocator
         self.page_size = page_size
@@ -64,6 +80,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # tokens computed by prefill steps (cache hits excluded)
 
     # ---- queue -------------------------------------------------------------------------
 
@@ -90,16 +107,75 @@ class Scheduler:
         if need > 0:
             req.pages.extend(self.allocator.alloc(need))
 
+    def _attach_prefix(self, req: Request) -> None:
+        """Start `req` (no slot, no pages) from the longest cached prefix of its tokens.
+
+        Peeks (no LRU touch, no hit counting: the request may not be admitted this step),
+        but locks and retains at once so that evictions made to admit it cannot take
+        the pages it counts on. Undone by `_detach_prefix`, or kept by `_count_prefix`.
+        """
+        m = self.prefix_cache.match_prefix(req.token_ids[:-1], peek=True)
+        if m.num_tokens == 0:
+            return
+        self.prefix_cache.lock(m.node)
+        self.allocator.retain(m.pages)
+        req.prefix_node = m.node
+        req.pages = m.pages
+        req.num_computed = m.num_tokens
+
+    def _detach_prefix(self, req: Request) -> None:
+        """Undo `_attach_prefix` for a request that is not admitted after all."""
+        if req.pages:
+            self.allocator.release(req.pages)
+        if req.prefix_node is not None:
+            self.prefix_cache.unlock(req.prefix_node)
+        req.pages, req.prefix_node, req.num_computed = [], None, 0
+
+    def _count_prefix(self, req: Request) -> None:
+        """`req` is admitted: count its look-up in the cache's stats and mark the path recent."""
+        # This match may be longer than the attached one if a request reclaimed meanwhile
+        # inserted more of the same prefix; the request still uses what it attached.
+        self.prefix_cache.match_prefix(req.token_ids[:-1])
+        if not req.admitted:  # report the first admission's reuse, not a re-match of its own KV
+            req.num_cached_tokens = req.num_computed
+
+    def _cache_kv(self, req: Request) -> None:
+        """Insert the KV `req` has computed so far (see RadixCache.insert: the cache
+        retains what it newly stores; the request keeps its own references)."""
+        n = req.num_computed
+        if n:
+            self.prefix_cache.insert(req.token_ids[:n], req.pages[: pages_for(n, self.page_size)])
+
     def _release(self, req: Request) -> None:
-        """Return the request's pages and slot."""
+        """Return the request's pages, cache lock and slot; with a prefix cache, first
+        offer it the KV the request computed (insert before release, see RadixCache.insert)."""
+        cache = self.prefix_cache
+        if cache is not None:
+            self._cache_kv(req)
         if req.pages:
             self.allocator.release(req.pages)
         req.pages = []
+        if req.prefix_node is not None:
+            cache.unlock(req.prefix_node)
+            req.prefix_node = None
         if req.slot is not None:
             self.free_slots.append(req.slot)
             req.slot = None
         self.free_slots.extend(req.reserved_slots)
         req.reserved_slots = []
+
+    def _reclaim_from_waiting(self, need: int, behind: Request) -> None:
+        """Take back the pages of partly prefilled requests queued after `behind`, newest
+        first, until `need` pages are free. Without this, several half-prefilled requests
+        can hold the whole cache while none can finish: a deadlock."""
+        for victim in reversed(self.waiting):
+            # With a prefix cache the victim's pages go to the cache: evict to free them.
+            if self._ensure_free_pages(need) or victim is behind:
+                return
+            if victim.pages:
+                self._release(victim)
+                victim.num_computed = 0
+                self.num_preemptions += 1
 
     def finish(self, req: Request, reason: str) -> None:
         if req.is_finished:
@@ -129,30 +205,38 @@ class Scheduler:
         budget = self.chunk_budget
         chosen: list[Request] = []
         chunks: list[int] = []
+        promised = 0  # free pages the forks of this batch will take after the forward
         for req in list(self.waiting):
             if budget == 0:
                 break
-            if req.slot is None:
+            admitting = req.slot is None
+            if admitting:
                 slots = req.params.n if (req.params.n > 1 and not req.forked) else 1
                 if len(self.free_slots) < slots:
                     break
+                if self.prefix_cache is not None:
+                    self._attach_prefix(req)
             chunk = min(req.num_uncomputed, budget)
             forks = req.params.n > 1 and not req.forked
-            need = pages_for(req.num_computed + chunk, self.page_size) - len(req.pages)
-            if not self._ensure_free_pages(need + (req.params.n - 1 if forks and chunk == req.num_uncomputed else 0)):
-                # Take what fits; a prompt whose fork does not fit yet stops one token short.
-                room = (len(req.pages) + self.allocator.num_free) * self.page_size - req.num_computed
-                chunk = min(chunk, room)
-                if forks and chunk == req.num_uncomputed:
-                    chunk -= 1
-                if chunk <= 0:
-                    break
-            if req.slot is None:
+            grow = pages_for(req.num_computed + chunk, self.page_size) - len(req.pages)
+            fork_pages = req.params.n - 1 if forks and chunk == req.num_uncomputed else 0
+            need = promised + grow + fork_pages
+            if not self._ensure_free_pages(need):
+                self._reclaim_from_waiting(need, behind=req)
+            if self.allocator.num_free < need:
+                if admitting and self.prefix_cache is not None:
+                    self._detach_prefix(req)
+                break
+            if admitting:
+                if self.prefix_cache is not None:
+                    self._count_prefix(req)
                 req.slot = self.free_slots.pop()
+                req.admitted = True
                 if req.params.n > 1 and not req.forked:
                     # Hold the children's slots now so the fork never waits for one.
                     req.reserved_slots = [self.free_slots.pop() for _ in range(req.params.n - 1)]
             self._grow(req, req.num_computed + chunk)
+            promised += fork_pages
             chosen.append(req)
             chunks.append(chunk)
             budget -= chunk
@@ -163,7 +247,7 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         batch = sorted(self.running, key=lambda r: r.arrival)
         for req in list(batch):
-            if req not in self.running:
+            if req.status is not Status.RUNNING:  # O(1), unlike `req in self.running`
                 continue  # preempted while making room for an older request
             if req.num_computed + 1 <= len(req.pages) * self.page_size:
                 continue
@@ -183,16 +267,21 @@ class Scheduler:
 
     def complete_step(self, batch: ScheduledBatch) -> None:
         """Account the computed tokens; requests whose prompt is done start decoding."""
+        if not batch.is_decode:
+            self.num_prefill_tokens += batch.num_tokens
         for req, chunk in zip(batch.requests, batch.num_new_tokens):
             req.num_computed += chunk
             if not batch.is_decode and req.num_uncomputed == 0 and req.status is Status.WAITING:
                 self.waiting.remove(req)
                 req.status = Status.RUNNING
                 self.running.append(req)
+                if self.prefix_cache is not None:
+                    self._cache_kv(req)  # the prompt's KV, for requests arriving meanwhile
 
     def fork(self, parent: Request, make_child: Callable[[int], Request]) -> list[Request]:
         """Create samples 1..n-1 of `parent` after its prompt is computed; they share its
-        full pages and get a copy of its partly filled last page."""
+        full pages and get a copy of its partly filled last page. Each takes its own lock
+        on the parent's cached prefix, as each releases its own pages when it ends."""
         children = []
         full = parent.num_computed // self.page_size
         partial = parent.num_computed % self.page_size != 0
@@ -206,6 +295,10 @@ class Scheduler:
                 self.copy_page(parent.pages[full], page)
                 child.pages.append(page)
             child.num_computed = parent.num_computed
+            child.admitted = True  # its num_cached_tokens is the parent's
+            if parent.prefix_node is not None:
+                self.prefix_cache.lock(parent.prefix_node)
+                child.prefix_node = parent.prefix_node
             child.slot = slot
             child.status = Status.RUNNING
             self.running.append(child)
@@ -229,7 +322,15 @@ class Scheduler:
         assert with_slot + len(self.free_slots) == self.max_num_seqs, "request slots leaked"
         for r in reqs:
             assert r.slot is not None or not r.pages, "pages without a slot"
-        cached = self.prefix_cache.num_pages_only_cached() if self.prefix_cache is not None else 0
+        for r in reqs:
+            assert r.prefix_node is None or r.slot is not None, "cache lock without a slot"
+        cache = self.prefix_cache
+        cached = 0
+        if cache is not None:
+            cache.check_invariants()
+            cached = cache.num_cache_only_pages()
+            if not reqs:
+                assert cache.num_protected_pages == 0, "prefix-cache lock leaked"
         assert self.num_pages_held_by_requests() + cached + self.allocator.num_free == self.allocator.num_usable, (
             "KV pages leaked"
         )

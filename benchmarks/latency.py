@@ -1,0 +1,102 @@
+"""Batch-1 latency: time to first token (TTFT) and time per output token (TPOT) for a
+128-token prompt and 256 output tokens (greedy, ignore_eos), on dummy weights, against the
+weights-bandwidth floor (weight bytes / device-to-device copy bandwidth of this run).
+
+    python benchmarks/latency.py [--models qwen3-0.6b llama-3.1-8b] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from offline_throughput import copy_bandwidth, device_name, weight_bytes  # noqa: E402
+
+from nanoserve import LLM, SamplingParams  # noqa: E402
+
+PROMPT_LEN = 128
+OUTPUT_LEN = 256
+
+
+def one_run(engine, prompt: list[int], rid: str) -> tuple[float, float]:
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda *a: None)
+    sync()
+    started = time.perf_counter()
+    engine.add_request(rid, prompt, params)
+    first = last = None
+    count = 0
+    while engine.has_unfinished_requests():
+        for up in engine.step():
+            if up.new_token_ids:
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                count += len(up.new_token_ids)
+                last = now
+    assert count == OUTPUT_LEN, count
+    return first - started, (last - first) / (OUTPUT_LEN - 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true")
+    args = ap.parse_args()
+    for name in args.models:
+        llm = LLM(
+            name,
+            load_format="dummy",
+            max_model_len=1024,
+            kv_cache_tokens=16384,
+            max_num_seqs=8,
+            enforce_eager=args.enforce_eager,
+            overlap_schedule=not args.no_overlap,
+        )
+        engine = llm.engine
+        device = engine.device
+        bw = copy_bandwidth(device)
+        wbytes = weight_bytes(engine.runner.model)
+        prompt = [(7 * i + 3) % 10000 for i in range(PROMPT_LEN)]
+        one_run(engine, prompt, "warm")
+        runs = [one_run(engine, prompt, f"r{i}") for i in range(args.repeats)]
+        ttft = statistics.median(r[0] for r in runs)
+        tpot = statistics.median(r[1] for r in runs)
+        floor = wbytes / bw
+        graph_ms = float("nan")
+        graphs = engine.runner.graphs
+        if graphs is not None and 1 in graphs.graphs:  # GPU time of one batch-1 decode step
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                graphs.graphs[1].replay()
+            end.record()
+            torch.cuda.synchronize()
+            graph_ms = start.elapsed_time(end) / 50
+        stats = llm.stats()
+        leak_free = stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
+        print(
+            f"{device_name(device)} | {name} (dummy, {str(engine.dtype).removeprefix('torch.')}), graphs "
+            f"{'off' if engine.runner.graphs is None else 'on'}, overlap {'on' if engine.overlap else 'off'} | "
+            f"TTFT {ttft * 1e3:.2f} ms | TPOT {tpot * 1e3:.3f} ms (graph replay alone {graph_ms:.3f} ms) | weights {wbytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s "
+            f"-> floor {floor * 1e3:.3f} ms/token, TPOT = {floor / tpot:.0%} of floor | runs {[(round(a * 1e3, 2), round(b * 1e3, 3)) for a, b in runs]} "
+            f"| no leaks: {leak_free}",
+            flush=True,
+        )
+        del llm, engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

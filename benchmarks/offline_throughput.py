@@ -1,0 +1,180 @@
+"""Offline throughput on nano-vllm's workload, against the memory-traffic floor.
+
+Workload (exactly nano-vllm's bench.py): 256 sequences, random.seed(0); for each, a prompt
+of randint(100, 1024) token ids each randint(0, 10000); then for each, max_tokens =
+randint(100, 1024); ignore_eos, temperature 0.6. Dummy weights of a bundled config.
+
+Floor: every decode step streams the weights once and every sequence's KV once, at the
+device-to-device copy bandwidth measured in this run (bytes read + written):
+    floor = (weight bytes x decode steps + KV bytes read) / copy bandwidth
+with decode steps = the longest max_tokens, KV bytes read = sum over sequences and their
+decode steps of the context length x KV bytes per token.
+
+    python benchmarks/offline_throughput.py [--model qwen3-0.6b] [--peer hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.kvcache.pool import KVCache
+
+NUM_SEQS = 256
+EXPECTED_PROMPT_TOKENS = 142_827
+EXPECTED_OUTPUT_TOKENS = 133_966
+
+
+def workload() -> tuple[list[list[int]], list[int]]:
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(NUM_SEQS)]
+    max_tokens = [random.randint(100, 1024) for _ in range(NUM_SEQS)]
+    return prompts, max_tokens
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second of a 1 GiB bf16 device-to-device copy."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(2**29, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 20
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize(device)
+    seconds = start.elapsed_time(end) / 1e3 / reps
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 2**30 / seconds
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def run_hf_peer(model_name: str, prompts, mean_new: int, dtype, device) -> tuple[float, int]:
+    from transformers import GenerationConfig
+
+    from nanoserve.models.hf_reference import hf_dummy_model
+
+    model = hf_dummy_model(model_name, 0, device, dtype)
+    gen = GenerationConfig(max_new_tokens=mean_new, do_sample=True, temperature=0.6, eos_token_id=-1, pad_token_id=0)
+    model.generate_batch(inputs=[p[:8] for p in prompts[:4]], generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0))
+    torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=gen)
+    torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - started
+    produced = 0
+    for v in out.values():
+        ids = getattr(v, "generated_tokens", None)
+        produced += len(ids) if ids is not None else mean_new
+    del model
+    torch.cuda.empty_cache()
+    return elapsed, produced
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--peer", choices=["hf"], default=None)
+    ap.add_argument("--num-seqs", type=int, default=NUM_SEQS, help="fewer for a smoke run (no total check)")
+    args = ap.parse_args()
+
+    prompts, max_tokens = workload()
+    total_prompt, total_out = sum(map(len, prompts)), sum(max_tokens)
+    assert (total_prompt, total_out) == (EXPECTED_PROMPT_TOKENS, EXPECTED_OUTPUT_TOKENS), (total_prompt, total_out)
+    prompts, max_tokens = prompts[: args.num_seqs], max_tokens[: args.num_seqs]
+    total_prompt, total_out = sum(map(len, prompts)), sum(max_tokens)
+
+    llm = LLM(
+        args.model,
+        load_format="dummy",
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        overlap_schedule=not args.no_overlap,
+    )
+    engine = llm.engine
+    device = engine.device
+    bw = copy_bandwidth(device)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize(device)
+    engine.gpu_wait_s = 0.0
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - started
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == total_out, (produced, total_out)
+
+    stats = llm.stats()
+    leak_free = stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
+    engine.check_invariants()
+    wbytes = weight_bytes(engine.runner.model)
+    cfg = engine.model_config
+    kv_per_token = KVCache.bytes_per_token(cfg.num_layers, engine.runner.kv_cache.k[0].shape[2], cfg.head_dim, engine.dtype)
+    steps = max(max_tokens)
+    kv_read = sum(sum(range(p, p + m)) for p, m in zip(map(len, prompts), max_tokens)) * kv_per_token
+    floor = (wbytes * steps + kv_read) / bw
+    graphs = engine.runner.graphs
+    print(f"device: {device_name(device)}")
+    print(
+        f"model {args.model} (dummy, {str(engine.dtype).removeprefix('torch.')}), {len(prompts)} seqs, "
+        f"{total_prompt} prompt + {total_out} output tokens, max_model_len {args.max_model_len}, "
+        f"graphs {'off' if graphs is None else f'1..{graphs.max_bs} ({graphs.capture_seconds:.1f} s, {graphs.memory_bytes / 2**30:.2f} GiB)'}, "
+        f"overlap {'on' if engine.overlap else 'off'}"
+    )
+    print(f"host waited {engine.gpu_wait_s:.2f} s of {elapsed:.2f} s for sampled tokens (small: the host is the bottleneck)")
+    print(f"elapsed {elapsed:.2f} s | output {total_out / elapsed:,.0f} tok/s | total {(total_prompt + total_out) / elapsed:,.0f} tok/s")
+    print(
+        f"floor: weights {wbytes / 1e9:.3f} GB x {steps} steps = {wbytes * steps / 1e12:.2f} TB + KV reads {kv_read / 1e12:.2f} TB "
+        f"at copy {bw / 1e12:.2f} TB/s = {floor:.2f} s -> {floor / elapsed:.1%} of the floor"
+    )
+    kv_tokens = (engine.allocator.num_usable) * stats["page_size"]
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    print(
+        f"KV capacity {kv_tokens:,} tokens; peak allocated {peak:.1f} GiB; preemptions {stats['num_preemptions']}; "
+        f"no leaks: {leak_free}"
+    )
+    if args.peer == "hf":
+        mean_new = round(total_out / len(prompts))
+        try:
+            hf_elapsed, hf_out = run_hf_peer(args.model, prompts, mean_new, engine.dtype, device)
+            hf_rate = hf_out / hf_elapsed
+            print(
+                f"peer transformers generate_batch: max_new_tokens={mean_new} for every prompt (the workload's mean; "
+                f"its batch API takes one), {hf_out} tokens in {hf_elapsed:.1f} s = {hf_rate:,.0f} output tok/s; "
+                f"nanoserve / transformers = {total_out / elapsed / hf_rate:.1f}x"
+            )
+        except Exception as exc:  # report, do not hide the engine's numbers
+            print(f"peer transformers generate_batch failed: {type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,433 @@
+"""Tensor parallelism at run time: rank processes, the step broadcast, failure and shutdown.
+
+Process layout (N = tensor_parallel_size, L = N / nnodes ranks per host):
+- rank 0 lives in the engine's process (the `LLM`'s, or the server's engine process). It
+  spawns ranks 1..L-1 (multiprocessing, spawn context) before it loads anything, so every
+  rank loads its shard at the same time; on hosts 1..nnodes-1, `run_worker_node` (the same
+  command with `--node-rank k`) spawns that host's ranks. All join torch.distributed at
+  `dist_init_addr` (default: a free port on 127.0.0.1).
+- Every rank builds the same `LLMEngine` (worker ranks are marked by `_WORKER`), so the
+  model shard (`TPGroup(rank, N)`: each layer's weight_loader keeps its slice), the KV plan
+  and the runner are built by one code path. Each rank plans its KV capacity from its own
+  memory; `agree_kv_plan` gathers the page counts, every rank takes the minimum, and
+  unequal counts are logged as unbalanced ranks.
+- Only rank 0 schedules and samples. Each step it broadcasts the step's `ForwardInputs`
+  (token ids, positions, attention metadata, logit rows) plus the KV page copies the
+  scheduler made since the last step (forks of n > 1 requests); every rank then runs the
+  same forward, whose collectives shard the work. The LM head gathers full logits on
+  every rank; rank 0 samples, the others drop them.
+
+Why broadcast rather than every rank running the same scheduler: the schedule depends on
+state that only rank 0 sees or can see consistently: request arrival order and timing
+(the server's socket), aborts from disconnecting clients and stop strings found by the
+detokenizer, the sampled tokens themselves (which decide when requests finish), and the
+prefix cache's contents. Replicating all of that would need the same broadcast of events
+plus a lock-step guarantee that two schedulers never diverge; a divergence would corrupt
+the KV cache silently. Broadcasting the scheduler's output is one message per step (a
+12-int header on the CPU control group, then one int64 tensor on the model's group) and
+makes worker ranks stateless executors.
+
+Timeouts: the model's group has `dist_timeout_s`; rank 0 bounds its control-group sends
+by the same; so a rank that dies (its sockets close: the next collective fails at once) or
+hangs (the collective times out) makes rank 0's `execute` raise `TensorParallelError`
+within `dist_timeout_s`, and the group is then dead: the local worker processes are killed
+and every later call raises at once. Worker ranks die with their parent (PR_SET_PDEATHSIG)
+and when rank 0's sockets close.
+
+Shutdown: `TPModelRunner.shutdown()` (also `LLMEngine.shutdown()` / `LLM.shutdown()`, run
+as well when the runner is garbage-collected and at interpreter exit) broadcasts a
+shutdown header, joins the workers (killing any still alive after a grace period) and
+destroys the process groups. One tensor-parallel engine per process at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from nanoserve.attention.base import AttentionMetadata
+from nanoserve.distributed import SINGLE, TPGroup
+from nanoserve.distributed.process_group import (
+    DistContext,
+    cpu_threads_per_rank,
+    destroy_distributed,
+    free_port,
+    init_distributed,
+)
+from nanoserve.engine.model_runner import ForwardInputs, KVPlan
+
+log = logging.getLogger("nanoserve")
+
+EXECUTE, SHUTDOWN = 1, 2
+HEADER_LEN = 12  # cmd, T, B, max_pages, R (-1: all rows), is_decode, max_query_len, max_seq_len,
+# n_copies, num_reqs, graph_bs (-1: eager), number of host (unpadded) requests
+SHUTDOWN_GRACE_S = 10.0
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died or hung; the group cannot be used any more."""
+
+
+_WORKER: tuple[int, str] | None = None  # (rank, init address) in a worker rank's process
+_RUNTIME: _Runtime | None = None  # this process's tensor-parallel state
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def rank_config(config, local_rank: int):
+    """A worker rank's config: its own GPU on CUDA (base index + local rank)."""
+    device = config.torch_device()
+    if device.type != "cuda":
+        return config
+    return dataclasses.replace(config, device=f"cuda:{(device.index or 0) + local_rank}")
+
+
+class _Runtime:
+    """This process's ranks and groups; rank 0 also owns the local worker processes."""
+
+    def __init__(self, ctx: DistContext, procs: list, config):
+        self.ctx = ctx
+        self.procs = procs  # [(rank, Process)] spawned by this process
+        self.timeout_s = config.dist_timeout_s
+        self.failed: str | None = None
+        self.closed = False
+
+    def dead_workers(self) -> list[str]:
+        return [f"rank {r} (pid {p.pid}, exit code {p.exitcode})" for r, p in self.procs if p.exitcode is not None]
+
+    def fail(self, what: str, exc: BaseException | None = None) -> TensorParallelError:
+        dead = self.dead_workers()
+        msg = f"tensor parallelism failed: {what}"
+        if dead:
+            msg += f"; dead worker ranks: {', '.join(dead)}"
+        if exc is not None:
+            msg += f" ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''})"
+        msg += f". The group is unusable (collective timeout {self.timeout_s:g} s)."
+        if self.failed is None:
+            self.failed = msg
+            log.error("%s", msg)
+            self.kill_workers(grace_s=0.0)
+        return TensorParallelError(msg)
+
+    def kill_workers(self, grace_s: float) -> None:
+        for _, p in self.procs:
+            if grace_s > 0:
+                p.join(grace_s)
+            if p.exitcode is None:
+                p.kill()
+            p.join(5)
+
+    def shutdown(self) -> None:
+        global _RUNTIME
+        if self.closed:
+            return
+        self.closed = True
+        if self.ctx.rank == 0 and self.failed is None and not self.dead_workers():
+            try:
+                header = torch.zeros(HEADER_LEN, dtype=torch.long)
+                header[0] = SHUTDOWN
+                work = dist.broadcast(header, 0, group=self.ctx.control, async_op=True)
+                work.wait(timeout=datetime.timedelta(seconds=min(SHUTDOWN_GRACE_S, self.timeout_s)))
+            except Exception:  # noqa: BLE001, S110 - a peer already gone; kill below
+                pass
+        self.kill_workers(grace_s=SHUTDOWN_GRACE_S)
+        destroy_distributed()  # the workers are gone by now, so teardown cannot wait on them
+        if _RUNTIME is self:
+            _RUNTIME = None
+
+
+def init_tensor_parallel(config) -> TPGroup:
+    """This process's TPGroup; at rank 0 spawns the local worker ranks and joins them."""
+    global _RUNTIME
+    n = config.tensor_parallel_size
+    if n == 1:
+        return SINGLE
+    local_world = n // config.nnodes
+    procs = []
+    if _WORKER is not None:
+        rank, addr = _WORKER
+    else:
+        if config.node_rank != 0:
+            raise ValueError(
+                "node_rank > 0 runs only worker ranks: use nanoserve.distributed.tp_runner.run_worker_node"
+            )
+        if _RUNTIME is not None or dist.is_initialized():
+            raise RuntimeError("a tensor-parallel engine is already running in this process: shut it down first")
+        rank, addr = 0, config.dist_init_addr or f"127.0.0.1:{free_port()}"
+        procs = _spawn_ranks(config, range(1, local_world), addr)
+    local_rank = rank % local_world
+    device = rank_config(config, local_rank).torch_device()
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(local_world))
+    try:
+        ctx = init_distributed(rank, n, local_rank, addr, device, config.dist_timeout_s, lambda: _check_started(procs))
+    except BaseException as exc:
+        for _, p in procs:
+            p.kill()
+            p.join(5)
+        raise TensorParallelError(f"tensor-parallel rendezvous at {addr} failed: {exc}") from exc
+    _RUNTIME = _Runtime(ctx, procs, config)
+    if rank == 0:
+        log.info(
+            "tensor parallel: %d ranks (%d per host, %d hosts), %s, rendezvous %s, worker pids %s",
+            n, local_world, config.nnodes, dist.get_backend(), addr, [p.pid for _, p in procs],
+        )  # fmt: skip
+    return TPGroup(rank, n)
+
+
+def _check_started(procs) -> None:
+    dead = [f"rank {r} (pid {p.pid}, exit code {p.exitcode})" for r, p in procs if p.exitcode is not None]
+    if dead:
+        raise RuntimeError(f"worker ranks exited while starting: {', '.join(dead)} (see their log above)")
+
+
+def _spawn_ranks(config, ranks, addr: str, parent_pid: int | None = None) -> list:
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for r in ranks:
+        p = ctx.Process(
+            target=worker_main,
+            args=(config, r, addr, os.getpid() if parent_pid is None else parent_pid),
+            name=f"nanoserve-tp-rank{r}",
+            daemon=True,
+        )
+        p.start()
+        procs.append((r, p))
+    return procs
+
+
+def agree_kv_plan(plan: KVPlan, tp: TPGroup) -> KVPlan:
+    """Every rank planned from its own memory; all take the minimum page count (gathered
+    rather than only min-reduced, so unbalanced ranks can be reported)."""
+    if tp.size == 1:
+        return plan
+    ctx = _RUNTIME.ctx
+    mine = torch.tensor([plan.num_pages], dtype=torch.long)
+    parts = [torch.zeros_like(mine) for _ in range(tp.size)]
+    try:
+        ctx.wait(dist.all_gather(parts, mine, group=ctx.control, async_op=True))
+    except Exception as exc:
+        if tp.rank != 0:
+            raise
+        err = _RUNTIME.fail("a rank failed while loading its shard", exc)
+        _RUNTIME.shutdown()
+        raise err from exc
+    pages = [int(p) for p in parts]
+    low = min(pages)
+    if tp.rank == 0 and max(pages) > low:
+        log.warning(
+            "tensor-parallel ranks are unbalanced: KV pages each rank could hold %s (free memory differs); "
+            "all use the minimum %d, %.0f%% less than the largest",
+            pages,
+            low,
+            100 * (1 - low / max(pages)),
+        )
+    return KVPlan(low, plan.page_size, plan.bytes_per_token)
+
+
+def wrap_runner(runner, tp: TPGroup):
+    """The engine's runner: the local one at TP=1, else a `TPModelRunner` around it."""
+    return runner if tp.size == 1 else TPModelRunner(runner, _RUNTIME)
+
+
+class _SyncedKVCache:
+    """The local KV cache, whose page copies (made by the scheduler at rank 0) are
+    recorded so the next step replays them on the other ranks before their forward."""
+
+    def __init__(self, local):
+        self._local = local
+        self.pending: list[tuple[int, int]] = []
+
+    def copy_page(self, src: int, dst: int) -> None:
+        self._local.copy_page(src, dst)
+        self.pending.append((src, dst))
+
+    def __getattr__(self, name):
+        return getattr(self._local, name)
+
+
+class TPModelRunner:
+    """A `ModelRunner` for one rank of a tensor-parallel group. At rank 0, `execute`
+    broadcasts the inputs and runs the local forward; at other ranks `serve` loops on
+    broadcast inputs. Everything else is the local runner's."""
+
+    def __init__(self, local, runtime: _Runtime):
+        self.local = local
+        self._rt = runtime
+        self.rank = runtime.ctx.rank
+        self.kv_cache = _SyncedKVCache(local.kv_cache)
+        # Rank 0 ends the group when the engine goes away (garbage collection, exit).
+        self._finalizer = weakref.finalize(self, runtime.shutdown) if self.rank == 0 else (lambda: None)
+
+    def __getattr__(self, name):
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    def prepare(self, batch, sample_rows):
+        return self.local.prepare(batch, sample_rows)
+
+    def forward(self, batch, sample_rows) -> torch.Tensor:
+        return self.execute(self.prepare(batch, sample_rows))
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the worker ranks this process spawned."""
+        return [p.pid for _, p in self._rt.procs]
+
+    # ---- rank 0 ------------------------------------------------------------------------
+
+    def execute(self, inputs: ForwardInputs) -> torch.Tensor:
+        rt = self._rt
+        if rt.failed is not None:
+            raise TensorParallelError(rt.failed)
+        if rt.closed:
+            raise TensorParallelError("the tensor-parallel engine was shut down")
+        if rt.dead_workers():
+            raise rt.fail("a worker rank exited")
+        copies, self.kv_cache.pending = self.kv_cache.pending, []
+        try:
+            self._broadcast(inputs, copies)
+        except Exception as exc:
+            raise rt.fail("sending a step to the worker ranks failed", exc) from exc
+        try:
+            return self.local.execute(inputs)
+        except Exception as exc:
+            text = str(exc).lower()
+            if (
+                isinstance(exc, getattr(dist, "DistError", ()))
+                or rt.dead_workers()
+                or any(
+                    s in text for s in ("timed out", "timeout", "connection closed", "connection reset", "gloo", "nccl")
+                )
+            ):
+                raise rt.fail("a collective in the forward pass failed (a rank died or hung)", exc) from exc
+            raise
+
+    def _broadcast(self, inputs: ForwardInputs, copies: list[tuple[int, int]]) -> None:
+        ctx = self._rt.ctx
+        meta = inputs.meta
+        rows = inputs.logit_rows
+        t, b = inputs.input_ids.numel(), meta.seq_lens.numel()
+        header = torch.tensor(
+            [EXECUTE, t, b, meta.page_table.shape[1], -1 if rows is None else rows.numel(), int(meta.is_decode),
+             meta.max_query_len, meta.max_seq_len, len(copies), inputs.num_reqs,
+             -1 if inputs.graph_bs is None else inputs.graph_bs, len(meta.seq_lens_host)],
+            dtype=torch.long,
+        )  # fmt: skip
+        ctx.wait(dist.broadcast(header, 0, group=ctx.control, async_op=True))
+        parts = [
+            inputs.input_ids, inputs.positions, meta.seq_lens, meta.prefix_lens, meta.cu_query_lens,
+            meta.page_table.reshape(-1), meta.slot_mapping,
+            *([] if rows is None else [rows]),
+            torch.tensor(copies, dtype=torch.long).reshape(-1).to(ctx.device),
+        ]  # fmt: skip
+        payload = torch.cat([p.to(device=ctx.device, dtype=torch.long) for p in parts])
+        dist.broadcast(payload, 0)
+
+    # ---- ranks 1..N-1 ------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Run broadcast steps until rank 0 says shut down (or its sockets close)."""
+        ctx = self._rt.ctx
+        header = torch.zeros(HEADER_LEN, dtype=torch.long)
+        while True:
+            dist.broadcast(header, 0, group=ctx.control)  # idle wait: the control group's long timeout
+            cmd, t, b, pages, r, is_decode, max_q, max_s, n_copies, num_reqs, graph_bs, n_host = header.tolist()
+            if cmd == SHUTDOWN:
+                return
+            sizes = [t, t, b, b, b + 1, b * pages, t, max(r, 0), 2 * n_copies]
+            payload = torch.empty(sum(sizes), dtype=torch.long, device=ctx.device)
+            dist.broadcast(payload, 0)
+            ids, pos, seq, pre, cu, table, slots, rows, copies = payload.split(sizes)
+            for src, dst in copies.view(-1, 2).tolist():
+                self.local.kv_cache.copy_page(src, dst)
+            host = torch.stack([seq[:n_host], pre[:n_host]]).tolist()
+            meta = AttentionMetadata(
+                is_decode=bool(is_decode),
+                seq_lens=seq.to(torch.int32),
+                prefix_lens=pre.to(torch.int32),
+                cu_query_lens=cu.to(torch.int32),
+                page_table=table.view(b, pages).to(torch.int32),
+                slot_mapping=slots.clone(),
+                seq_lens_host=host[0],
+                prefix_lens_host=host[1],
+                max_query_len=max_q,
+                max_seq_len=max_s,
+            )
+            inputs = ForwardInputs(
+                ids.clone(),
+                pos.clone(),
+                meta,
+                None if r < 0 else rows.clone(),
+                None if graph_bs < 0 else graph_bs,
+                num_reqs,
+            )
+            self.local.execute(inputs)
+
+
+def worker_main(config, rank: int, init_addr: str, parent_pid: int | None) -> None:
+    """Entry point of a worker rank's process (spawned)."""
+    global _WORKER
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 (or the node's launcher) decides when we stop
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s rank{rank}: %(message)s")
+    local_world = config.tensor_parallel_size // config.nnodes
+    config = rank_config(config, rank % local_world)
+    _WORKER = (rank, init_addr)
+    from nanoserve.engine.llm_engine import LLMEngine
+
+    code = 0
+    try:
+        engine = LLMEngine(config)
+        engine.runner.serve()
+    except BaseException:
+        log.exception("tensor-parallel rank %d failed", rank)
+        code = 1
+    finally:
+        if _RUNTIME is not None and code == 0:
+            destroy_distributed()
+    os._exit(code)
+
+
+def run_worker_node(config) -> int:
+    """Host `node_rank` > 0 of a multi-host group: run this host's ranks until rank 0 ends
+    them (same command as node 0, plus --node-rank). Returns the worst exit code."""
+    local_world = config.tensor_parallel_size // config.nnodes
+    first = config.node_rank * local_world
+    procs = _spawn_ranks(config, range(first, first + local_world), config.dist_init_addr)
+
+    def stop(signum, frame):
+        for _, p in procs:
+            p.kill()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    codes = []
+    for _, p in procs:
+        p.join()
+        codes.append(p.exitcode or 0)
+    return max(abs(c) for c in codes)
