@@ -12,7 +12,10 @@ Invariants of the allocator:
 - a page's refcount is the number of holders (requests sharing it, the prefix cache);
   a page returns to the free list when its last holder releases it;
 - page 0 is reserved (never handed out): padded or dummy work writes there, so its
-  contents are garbage and no request ever reads it.
+  contents are garbage and no request ever reads it;
+- `num_cache_only` == the number of pages marked cached (stored by the prefix cache)
+  whose refcount is 1, i.e. held by the cache alone; kept up to date on every change so
+  that reporting it costs nothing.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(1, num_pages))
         self._refcount = [0] * num_pages
+        self._cached = [False] * num_pages
+        self.num_cache_only = 0
 
     @property
     def num_free(self) -> int:
@@ -79,19 +84,33 @@ class PageAllocator:
             self._refcount[p] = 1
         return pages
 
+    def _cache_only(self, page: int) -> bool:
+        return self._cached[page] and self._refcount[page] == 1
+
+    def mark_cached(self, pages: list[int], cached: bool) -> None:
+        """The prefix cache says it stores (or stopped storing) these pages."""
+        for p in pages:
+            self.num_cache_only -= self._cache_only(p)
+            self._cached[p] = cached
+            self.num_cache_only += self._cache_only(p)
+
     def retain(self, pages: list[int]) -> None:
         """Add a holder to pages that are already owned."""
         for p in pages:
             if self._refcount[p] <= 0:
                 raise RuntimeError(f"retain of free page {p}")
+            self.num_cache_only -= self._cache_only(p)
             self._refcount[p] += 1
+            self.num_cache_only += self._cache_only(p)
 
     def release(self, pages: list[int]) -> None:
         """Drop one holder from each page; pages with no holder left become free."""
         for p in pages:
             if self._refcount[p] <= 0:
                 raise RuntimeError(f"double free of page {p}")
+            self.num_cache_only -= self._cache_only(p)
             self._refcount[p] -= 1
+            self.num_cache_only += self._cache_only(p)
             if self._refcount[p] == 0:
                 self._free.append(p)
 

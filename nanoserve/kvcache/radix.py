@@ -125,12 +125,13 @@ class RadixCache:
         return sum(1 for _ in self._nodes())
 
     def num_cache_only_pages(self) -> int:
-        """Pages held by the tree and nobody else (refcount 1). O(cached pages).
+        """Pages held by the tree and nobody else (refcount 1). O(1): the allocator
+        keeps the count, since the tree marks the pages it stores.
 
         This is what `kv_pages_cached` should report: with no request running,
         allocator.num_free + num_cache_only_pages() == allocator.num_usable.
         """
-        return sum(1 for p in self._pages if self.allocator.refcount(p) == 1)
+        return self.allocator.num_cache_only
 
     def num_reclaimable_pages(self) -> int:
         """Pages `evict` would return to the free list if it evicted everything it
@@ -240,6 +241,7 @@ class RadixCache:
         if new_pages:
             self._check_adoptable(new_pages)
             self.allocator.retain(new_pages)
+            self.allocator.mark_cached(new_pages, True)
             leaf = RadixNode(key=key[cached:], pages=new_pages, parent=node, node_id=next(self._ids))
             node.children[leaf.key[:P]] = leaf
             self._pages.update(new_pages)
@@ -320,6 +322,9 @@ class RadixCache:
             fail("page set out of sync with the tree")
         if (evictable, protected) != (self._num_evictable, self._num_protected):
             fail(f"counters {(self._num_evictable, self._num_protected)} != tree {(evictable, protected)}")
+        cache_only = sum(1 for p in seen if self.allocator.refcount(p) == 1)
+        if cache_only != self.allocator.num_cache_only:
+            fail(f"allocator counts {self.allocator.num_cache_only} cache-only pages, the tree {cache_only}")
 
     # ---- internals ------------------------------------------------------------
 
@@ -401,6 +406,7 @@ class RadixCache:
         """Release the tree's reference on node's pages (node already unlinked or being
         reset); return how many went back to the free list."""
         freed = sum(1 for p in node.pages if self.allocator.refcount(p) == 1)
+        self.allocator.mark_cached(node.pages, False)
         self.allocator.release(node.pages)
         self._pages.difference_update(node.pages)
         if node.lock_ref == 0:
