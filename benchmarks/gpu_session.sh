@@ -12,6 +12,7 @@ for stage in $STAGES; do
     offline) timeout ${T_OFFLINE:-150} python benchmarks/offline_throughput.py $OFFLINE_ARGS > $OUT/offline.log 2>&1; echo "offline rc=$?" >> $OUT/offline.log ;;
     offline_eager) timeout 150 python benchmarks/offline_throughput.py --enforce-eager --no-overlap > $OUT/offline_eager.log 2>&1 ;;
     latency) timeout ${T_LAT:-150} python benchmarks/latency.py > $OUT/latency.log 2>&1; echo "latency rc=$?" >> $OUT/latency.log ;;
+    profile) timeout 200 python benchmarks/profile_decode.py > $OUT/profile.log 2>&1 ;;
     peer) timeout ${T_PEER:-300} python benchmarks/offline_throughput.py --peer hf > $OUT/offline_peer.log 2>&1 ;;
   esac
   for f in $OUT/*.log; do tail -n 4 $f; done

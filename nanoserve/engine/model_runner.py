@@ -82,6 +82,10 @@ class ModelRunner:
         cfg = self.config
         if self.device.type != "cuda" or cfg.enforce_eager or cfg.cuda_graph_max_bs == 0:
             return
+        if self.model.tp.size > 1:
+            # Rank 0 alone would capture the collectives while the workers wait: a hang.
+            log.info("decode CUDA graphs off: not captured on every tensor-parallel rank yet")
+            return
         if self.backend.name != "triton":
             log.info("decode CUDA graphs off: the %s attention backend is eager-only", self.backend.name)
             return

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.models.layers import fused
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
@@ -94,6 +95,13 @@ class SampleResult:
         return tokens, result
 
 
+def _race_argmax(scaled_logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    return (scaled_logits - noise.log()).argmax(dim=-1)
+
+
+race_argmax = fused(_race_argmax)  # one fused kernel on CUDA
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int):
         self.device = torch.device(device)
@@ -128,9 +136,9 @@ class Sampler:
                 top_p = _device_tensor([p.top_p for p in params], dev, torch.float32)
                 min_p = _device_tensor([p.min_p for p in params], dev, torch.float32)
                 sub = mask_logits(sub, top_k, top_p, min_p)
-            probs = sub.softmax(dim=-1)
-            noise = self._exponential_noise(probs.shape, [rows[i].generator for i in random_rows])
-            drawn = (probs / noise).argmax(dim=-1)
+            # argmax(p / E) == argmax(log p - log E) == argmax(logits / T - log E): no softmax.
+            noise = self._exponential_noise(sub.shape, [rows[i].generator for i in random_rows])
+            drawn = race_argmax(sub, noise)
             if all_random:
                 tokens = drawn
             else:
