@@ -175,7 +175,9 @@ def init_tensor_parallel(config) -> TPGroup:
         rank, addr = 0, config.dist_init_addr or f"127.0.0.1:{free_port()}"
         procs = _spawn_ranks(config, range(1, local_world), addr)
     local_rank = rank % local_world
-    device = rank_config(config, local_rank).torch_device()
+    # A worker's config already names its own GPU (worker_main applied rank_config);
+    # rank 0's may say just "cuda", which rank_config turns into its first GPU.
+    device = (config if _WORKER is not None else rank_config(config, 0)).torch_device()
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(local_world))
     try:
