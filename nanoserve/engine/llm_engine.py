@@ -22,7 +22,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.tp_runner import agree_kv_plan, init_tensor_parallel, wrap_runner
 from nanoserve.engine.model_runner import ModelRunner, plan_kv_capacity
-from nanoserve.engine.sampler import SampleRow, Sampler
+from nanoserve.engine.sampler import Sampler, SampleRow
 from nanoserve.kvcache.pool import PageAllocator
 from nanoserve.kvcache.radix import RadixCache
 from nanoserve.models.decoder import kv_heads_per_rank
@@ -30,7 +30,7 @@ from nanoserve.models.loader import build_model
 from nanoserve.models.registry import resolve_model
 from nanoserve.outputs import StepUpdate
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler.request import Request, Status
+from nanoserve.scheduler.request import Request
 from nanoserve.scheduler.scheduler import ScheduledBatch, Scheduler
 from nanoserve.tokenizer import load_tokenizer
 

@@ -26,7 +26,6 @@ from torch import nn
 
 from nanoserve.distributed import SINGLE, TPGroup
 
-
 # Fused elementwise ops on CUDA: the plain torch functions below compiled by torch.compile
 # (one kernel each, no host sync). The plain versions are the CPU path and the reference.
 # NANOSERVE_FUSED=0 turns the compiled versions off.
