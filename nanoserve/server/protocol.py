@@ -175,24 +175,7 @@ class _SamplingFields(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        return SamplingParams(
-            n=self.n,
-            temperature=float(self.temperature),
-            top_p=float(self.top_p),
-            top_k=-1 if self.top_k in (0, -1) else self.top_k,
-            min_p=float(self.min_p),
-            seed=self.seed,
-            presence_penalty=float(self.presence_penalty),
-            frequency_penalty=float(self.frequency_penalty),
-            repetition_penalty=float(self.repetition_penalty),
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=list(self.stop) if self.stop else None,
-            stop_token_ids=list(self.stop_token_ids) if self.stop_token_ids else None,
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-        )
+        return sampling_params_from(self, max_tokens, logprobs)
 
 
 class CompletionRequest(_SamplingFields):
@@ -361,25 +344,7 @@ class GenerateRequest(_Strict):
         return self
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        sp = self.sampling_params
-        return SamplingParams(
-            n=sp.n,
-            temperature=float(sp.temperature),
-            top_p=float(sp.top_p),
-            top_k=-1 if sp.top_k in (0, -1) else sp.top_k,
-            min_p=float(sp.min_p),
-            seed=sp.seed,
-            presence_penalty=float(sp.presence_penalty),
-            frequency_penalty=float(sp.frequency_penalty),
-            repetition_penalty=float(sp.repetition_penalty),
-            max_tokens=max_tokens,
-            min_tokens=sp.min_tokens,
-            stop=list(sp.stop) if sp.stop else None,
-            stop_token_ids=list(sp.stop_token_ids) if sp.stop_token_ids else None,
-            ignore_eos=sp.ignore_eos,
-            logprobs=sp.logprobs,
-            skip_special_tokens=sp.skip_special_tokens,
-        )
+        return sampling_params_from(self.sampling_params, max_tokens, self.sampling_params.logprobs)
 
 
 class TokenizeRequest(_Strict):
@@ -403,3 +368,26 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
         return model.model_validate_json(body)
     except ValidationError as exc:
         raise validation_error_to_request_error(exc) from None
+
+
+def sampling_params_from(fields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The engine's SamplingParams from a request model carrying the shared sampling fields
+    (the OpenAI bodies and /generate's `sampling_params` name them alike)."""
+    return SamplingParams(
+        n=fields.n,
+        temperature=float(fields.temperature),
+        top_p=float(fields.top_p),
+        top_k=-1 if fields.top_k in (0, -1) else fields.top_k,
+        min_p=float(fields.min_p),
+        seed=fields.seed,
+        presence_penalty=float(fields.presence_penalty),
+        frequency_penalty=float(fields.frequency_penalty),
+        repetition_penalty=float(fields.repetition_penalty),
+        max_tokens=max_tokens,
+        min_tokens=fields.min_tokens,
+        stop=list(fields.stop) if fields.stop else None,
+        stop_token_ids=list(fields.stop_token_ids) if fields.stop_token_ids else None,
+        ignore_eos=fields.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=fields.skip_special_tokens,
+    )
