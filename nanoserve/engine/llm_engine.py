@@ -13,6 +13,7 @@ each output token was reported exactly once, in order.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -47,7 +48,7 @@ class LLMEngine:
         self.dtype = config.torch_dtype(source.config.torch_dtype)
         self.tokenizer = load_tokenizer(source, config.tokenizer)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            source = type(source)(source.kind, source.path, source.config.with_eos([self.tokenizer.eos_token_id]), True)
+            source = dataclasses.replace(source, config=source.config.with_eos([self.tokenizer.eos_token_id]))
         cfg = source.config
         wanted_len = config.max_model_len or cfg.max_position_embeddings
         torch.manual_seed(config.seed)
@@ -219,11 +220,7 @@ class LLMEngine:
             req.token_ids.pop()
         inflight = self._inflight
         if inflight is not None and id(req) in inflight.members and not req.is_finished:
-            sched = self.scheduler
-            if req in sched.running:
-                sched.running.remove(req)
-            elif req in sched.waiting:
-                sched.waiting.remove(req)
+            self.scheduler.dequeue(req)
             req.finish_reason = reason
             inflight.deferred.append(req)
         else:

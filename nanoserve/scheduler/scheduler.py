@@ -177,13 +177,17 @@ class Scheduler:
                 victim.num_computed = 0
                 self.num_preemptions += 1
 
-    def finish(self, req: Request, reason: str) -> None:
-        if req.is_finished:
-            return
+    def dequeue(self, req: Request) -> None:
+        """Take `req` out of the waiting or running queue (it keeps its pages and slot)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.is_finished:
+            return
+        self.dequeue(req)
         self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
@@ -318,7 +322,7 @@ class Scheduler:
     def check_invariants(self) -> None:
         reqs = [*self.waiting, *self.running]
         assert len({id(r) for r in reqs}) == len(reqs), "a request is queued twice"
-        with_slot = sum(1 + len(getattr(r, "reserved_slots", [])) for r in reqs if r.slot is not None)
+        with_slot = sum(1 + len(r.reserved_slots) for r in reqs if r.slot is not None)
         assert with_slot + len(self.free_slots) == self.max_num_seqs, "request slots leaked"
         for r in reqs:
             assert r.slot is not None or not r.pages, "pages without a slot"
