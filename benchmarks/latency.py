@@ -2,7 +2,7 @@
 128-token prompt and 256 output tokens (greedy, ignore_eos), on dummy weights, against the
 weights-bandwidth floor (weight bytes / device-to-device copy bandwidth of this run).
 
-    python benchmarks/latency.py [--models qwen3-0.6b llama-3.1-8b] [--repeats 3]
+    python benchmarks/latency.py [--models qwen3-0.6b llama-3.1-8b] [--repeats 3] [--triton-ops off on]
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offline_throughput import copy_bandwidth, device_name, weight_bytes  # noqa: E402
+from offline_throughput import copy_bandwidth, device_name, weight_bytes
 
-from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve import LLM, SamplingParams
+from nanoserve.models import layers
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 256
@@ -45,14 +46,32 @@ def one_run(engine, prompt: list[int], rid: str) -> tuple[float, float]:
     return first - started, (last - first) / (OUTPUT_LEN - 1)
 
 
+def batch1_graph_ms(engine, reps: int = 50) -> float:
+    """GPU time of one batch-1 decode step: the captured graph replayed alone (NaN without graphs)."""
+    graphs = engine.runner.graphs
+    if graphs is None or 1 not in graphs.graphs:
+        return float("nan")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graphs.graphs[1].replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+@torch.inference_mode()  # the engine's tensors are inference tensors; steps run outside generate()
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--triton-ops", choices=["on", "off"], nargs="+", default=["on"],
+                    help="the Triton decode kernels (models/triton_ops.py); 'off on' measures both")  # fmt: skip
     args = ap.parse_args()
-    for name in args.models:
+    for name, ops in ((n, o) for n in args.models for o in args.triton_ops):
+        layers.TRITON_OPS = ops == "on"
         llm = LLM(
             name,
             load_format="dummy",
@@ -72,21 +91,13 @@ def main() -> None:
         ttft = statistics.median(r[0] for r in runs)
         tpot = statistics.median(r[1] for r in runs)
         floor = wbytes / bw
-        graph_ms = float("nan")
-        graphs = engine.runner.graphs
-        if graphs is not None and 1 in graphs.graphs:  # GPU time of one batch-1 decode step
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(50):
-                graphs.graphs[1].replay()
-            end.record()
-            torch.cuda.synchronize()
-            graph_ms = start.elapsed_time(end) / 50
+        graph_ms = batch1_graph_ms(engine)
         stats = llm.stats()
         leak_free = stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
         print(
             f"{device_name(device)} | {name} (dummy, {str(engine.dtype).removeprefix('torch.')}), graphs "
-            f"{'off' if engine.runner.graphs is None else 'on'}, overlap {'on' if engine.overlap else 'off'} | "
+            f"{'off' if engine.runner.graphs is None else 'on'}, overlap {'on' if engine.overlap else 'off'}, "
+            f"Triton decode kernels {ops} | "
             f"TTFT {ttft * 1e3:.2f} ms | TPOT {tpot * 1e3:.3f} ms (graph replay alone {graph_ms:.3f} ms) | weights {wbytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s "
             f"-> floor {floor * 1e3:.3f} ms/token, TPOT = {floor / tpot:.0%} of floor | runs {[(round(a * 1e3, 2), round(b * 1e3, 3)) for a, b in runs]} "
             f"| no leaks: {leak_free}",

@@ -49,8 +49,11 @@ INTERPRET_EXTEND_CONFIG: dict[str, int] = {"BLOCK_M": 16, "BLOCK_N": 16, "num_wa
 # interpreter the kernels upcast dot operands to fp32. Compiled kernels never do.
 DOT_F32 = INTERPRET
 # A decode split never gets fewer tokens than this (a split's fixed cost is its launch slot
-# and the reduce's read of one partial row).
-MIN_SPLIT_TOKENS = 16 if INTERPRET else 256
+# and the reduce's read of one partial row). 64 = one BLOCK_N tile: at batch 1 a split then
+# runs one tile instead of up to four in a row, and the split kernel took 3.9-4.1 us per
+# layer instead of 8.5-8.6 (H200, benchmarks/profile_decode.py --min-split-tokens 256 64:
+# batch-1 decode step 1.109 -> 1.021 ms on qwen3-0.6b, 4.478 -> 4.327 ms on llama-3.1-8b).
+MIN_SPLIT_TOKENS = 16 if INTERPRET else 64
 
 
 def _stages(cfg: dict[str, int], x: torch.Tensor) -> int:
@@ -152,7 +155,10 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constex
     return tl.cdiv(per_split, BLOCK_N) * BLOCK_N
 
 
-@triton.jit
+# Ints that vary from batch to batch (page-table width, block counts) are not specialized:
+# Triton would otherwise compile a variant per value class (== 1, divisible by 16) while the
+# engine is serving.
+@triton.jit(do_not_specialize=["stride_pt", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr,
     out_ptr, part_ptr, lse_ptr,
@@ -348,7 +354,7 @@ def _attend_block(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt", "num_m_blocks"])
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     cu_q_ptr, prefix_lens_ptr, page_table_ptr,

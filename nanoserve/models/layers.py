@@ -1,7 +1,8 @@
 """Building blocks of the decoder, written so that tensor parallelism can shard them.
 
 Owns: RMSNorm, rotary embedding (default, linear and llama3 scaling), column- and
-row-parallel linears, the vocab-parallel embedding and LM head.
+row-parallel linears, the vocab-parallel embedding and LM head, and the choice between the
+torch functions below and the Triton decode kernels of triton_ops.py on CUDA.
 
 Sharding invariants (rank r of a group of size N):
 - a column-parallel linear holds rows [r*out/N, (r+1)*out/N) of every merged part
@@ -71,6 +72,37 @@ def rope_plain(positions, q, k, cos_table, sin_table):
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+# Triton kernels for decode (triton_ops.py), CUDA only: the small-M linear where its measured
+# rule picks it, q/k norm + rotary in one launch, and (residual add +) RMSNorm. The torch
+# functions here are their slow twins; NANOSERVE_TRITON_OPS=0 turns the kernels off.
+TRITON_OPS = os.environ.get("NANOSERVE_TRITON_OPS", "1") != "0"
+_ops = None
+
+
+def triton_ops():
+    """The Triton kernel module, imported on first use (triton is only needed on CUDA)."""
+    global _ops
+    if _ops is None:
+        from nanoserve.models import triton_ops as module
+
+        _ops = module
+    return _ops
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or on CUDA the Triton small-M kernel where `triton_ops.linear_config`
+    says it beats cuBLAS for this shape (decode batches of a few tokens)."""
+    if TRITON_OPS and x.is_cuda and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(1) == 1:
+        ops = triton_ops()
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        config = ops.linear_config(rows, weight.shape[0], k, x.dtype)
+        if config is not None:
+            out = ops.small_m_linear(x.reshape(rows, k), weight, bias, config)
+            return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
 rms_norm = fused(rms_norm_plain)
 add_rms_norm = fused(add_rms_norm_plain)
 silu_and_mul = fused(silu_and_mul_plain)
@@ -85,7 +117,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and returns (normed, sum) so the sum can be the
-        next residual; this is the fusion point for a fused kernel."""
+        next residual. On CUDA, rows of a 2-D x go through the Triton kernel (one launch)."""
+        dense = x.dim() == 2 and x.stride(1) == 1 and x.dtype == self.weight.dtype
+        if residual is not None:
+            dense = dense and residual.shape == x.shape and residual.stride(-1) == 1 and residual.dtype == x.dtype
+        if TRITON_OPS and x.is_cuda and dense:
+            return triton_ops().rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             return add_rms_norm(x, residual, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
@@ -119,8 +156,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, head_dim/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]."""
+    def forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ):
+        """q: [T, Hq, D], k: [T, Hk, D]. With q_norm/k_norm (Qwen3) each head is
+        RMS-normalised first; on CUDA both steps run in one Triton launch."""
+        same_eps = q_norm is None or q_norm.eps == k_norm.eps
+        if TRITON_OPS and q.is_cuda and same_eps:
+            weights = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+            return triton_ops().qk_norm_rope(positions, q, k, self.cos, self.sin, *weights)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         return rope(positions, q, k, self.cos, self.sin)
 
 
@@ -148,7 +199,7 @@ class RowSlice:
     size: int
 
     @staticmethod
-    def split(name: str | None, full_size: int, tp: TPGroup) -> "RowSlice":
+    def split(name: str | None, full_size: int, tp: TPGroup) -> RowSlice:
         size = _shard(full_size, tp, f"output size of {name or 'linear'}")
         return RowSlice(name, tp.rank * size, size)
 
@@ -177,7 +228,12 @@ class ColumnParallelLinear(nn.Module):
         raise KeyError(f"no part {shard_id!r} in this linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
+
+
+# Tensor parallelism: row-parallel partial sums are reduced in fp32 (see RowParallelLinear);
+# NANOSERVE_TP_REDUCE_FP32=0 reduces them in the activation dtype (fewer bytes, more rounding).
+TP_REDUCE_FP32 = os.environ.get("NANOSERVE_TP_REDUCE_FP32", "1") != "0"
 
 
 class RowParallelLinear(nn.Module):
@@ -195,8 +251,37 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(full[:, self.tp.rank * cols : (self.tp.rank + 1) * cols])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        if self.tp.size == 1 or not TP_REDUCE_FP32:
+            out = self.tp.all_reduce(linear(x, self.weight))
+        else:
+            # TP=1 rounds each output once, at the end of its full-width matmul. Rounding every
+            # rank's partial sum to bf16 and summing in bf16 adds two roundings per layer, and
+            # TP=N greedy outputs then part from TP=1's within a few tokens. So the partials
+            # stay fp32 through the all-reduce and are rounded once (decode messages are a few
+            # KiB: fp32 costs latency only marginally).
+            out = self.tp.all_reduce(linear_fp32_out(x, self.weight)).to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+
+def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T in fp32 (fp32 accumulation, no rounding to x's dtype). On CUDA: the Triton
+    small-M kernel writing fp32 where its rule picks it, else cuBLAS with an fp32 output
+    (`torch.mm(..., out_dtype)`); elsewhere (the slow twin) the matmul of fp32 copies."""
+    if x.dtype == torch.float32:
+        return linear(x, weight)
+    k, n = x.shape[-1], weight.shape[0]
+    rows = x.numel() // k if k else 0
+    x2 = x.reshape(rows, k)
+    if not x.is_cuda:
+        return F.linear(x2.float(), weight.float()).view(*x.shape[:-1], n)
+    dense = x.dtype == weight.dtype and x2.stride(-1) == 1 and weight.stride(1) == 1
+    config = triton_ops().linear_config(rows, n, k, x.dtype) if TRITON_OPS and dense else None
+    if config is not None:
+        out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
+        triton_ops().small_m_linear(x2, weight, None, config, out=out)
+    else:
+        out = torch.mm(x2, weight.t(), torch.float32)
+    return out.view(*x.shape[:-1], n)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -217,9 +302,10 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
+        # Rows outside this rank's slice are zeros, so the sum over ranks is exact in any dtype.
         local = ids - self.start
-        inside = (local >= 0) & (local < self.rows)
-        out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.clamp(0, self.rows - 1), self.weight).masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
 
 
@@ -227,6 +313,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; may share its weight with the embedding (tied)."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = F.linear(hidden, self.weight)
+        out = linear(hidden, self.weight)
         out = self.tp.all_gather_last_dim(out)
         return out[..., : self.vocab_size]

@@ -1,0 +1,442 @@
+"""Triton kernels for the decode hot path of the decoder's layers.
+
+Owns four kernels, their launchers, the rule that decides when the small-M linear is used,
+and the programmatic-dependent-launch (PDL) switch:
+- `small_m_linear(x, weight, bias, config)`: y = x W^T (+ b) for a few rows of x (decode
+  batches). At M = 1..8 cuBLAS picks tiles made for large M and reaches a fraction of the
+  memory bandwidth on small matrices; these kernels stream W once with wide loads:
+  * "fma": products and sums on the CUDA cores, a [BLOCK_M, BLOCK_N, BLOCK_K] fp32
+    accumulator reduced over K once at the end (BLOCK_M = 1 is the GEMV);
+  * "dot": tensor-core tiles with M padded to 16 (rows past M are masked, never stored).
+  `linear_config(M, N, K, dtype)` is the measured rule (see its docstring): a config, or
+  None where cuBLAS is as fast.
+- `qk_norm_rope(positions, q, k, cos, sin, ...)`: Qwen3's per-head RMSNorm of q and k
+  followed by the neox rotary embedding, one launch for both tensors (Llama: rotary only).
+- `rms_norm(x, weight, eps, residual)`: RMSNorm of each row, optionally after adding the
+  residual (returning the sum too), one program per row. As fast as the torch.compile'd
+  version (1.46 vs 1.45 us per call at hidden 1024, 1.92 vs 2.16 at 4096) and, unlike it,
+  lets the next matmul launch early under PDL.
+
+Invariants:
+- accumulation and normalisation run in fp32 whatever the input dtype; each output element
+  is rounded once to the input dtype, except where the torch reference rounds in between
+  (the normalised value before the norm weight, cos/sin to the input dtype), which the
+  kernel repeats so that both paths agree within one bf16 rounding;
+- launchers read no device data on the host and allocate only outputs whose shapes come
+  from the inputs' shapes, so they can be captured in CUDA graphs;
+- on Hopper and later every kernel is launched with programmatic dependent launch (see
+  `PDL`): before its `gdc_wait` a kernel reads only weights and writes nothing, so starting
+  it while the previous kernel still runs never changes a result;
+- `small_m_linear` needs x with a dense last dim and W with dense rows ([N, K], as
+  nn.Linear stores it); `linear_config` returns None otherwise, so callers fall back to
+  F.linear. A bias is added in fp32 before the one rounding (as cuBLAS's epilogue).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton's interpreter computes bf16 tl.dot wrongly (see attention/triton_kernels.py): under the
+# interpreter the dot kernel upcasts its operands to fp32. Compiled kernels never do.
+DOT_F32 = INTERPRET
+
+try:  # grid-dependency control for programmatic dependent launch (PDL, Hopper and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # an older Triton: the kernels never take the PDL branches
+    HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+
+# Programmatic dependent launch (Hopper and later): every kernel here is launched so that it
+# may start while the previous kernel in the stream (or CUDA graph) is still running; it waits
+# (`gdc_wait`) before it reads anything that kernel may have written, and until then only
+# touches weights (never written during a forward): the small-M linear pulls its first weight
+# tile into L2, hiding its ramp-up. Each kernel also lets the next one launch early
+# (`gdc_launch_dependents`); that one still waits for this one to complete before reading
+# its output. Measured on an H200 (batch-1 decode step, benchmarks/profile_decode.py --pdl off
+# on): qwen3-0.6b 1.003 -> 0.958 ms, llama-3.1-8b 4.363 -> 4.256 ms. NANOSERVE_PDL=0: off.
+PDL = os.environ.get("NANOSERVE_PDL", "1") != "0"
+_pdl_supported: dict[int, bool] = {}
+
+
+def _pdl(device: torch.device) -> bool:
+    if not PDL or INTERPRET or not HAS_GDC or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _pdl_supported:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        has_option = any(f.name == "launch_pdl" for f in fields(CUDAOptions))
+        _pdl_supported[index] = has_option and torch.cuda.get_device_capability(index)[0] >= 9
+    return _pdl_supported[index]
+
+
+def _launch_options(device: torch.device) -> dict:
+    """The kernels' USE_PDL constexpr and, when on, Triton's launch_pdl option."""
+    return {"USE_PDL": True, "launch_pdl": True} if _pdl(device) else {"USE_PDL": False}
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    kernel: str  # "fma" or "dot"
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+# ------------------------------------------------------------------------------ small-M linear
+
+
+@triton.jit
+def _tile_ranges(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's output rows (M), output columns (N) and the K offsets of one tile;
+    program axis 0 walks N, axis 1 walks M."""
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn, tl.arange(0, BLOCK_K)
+
+
+@triton.jit
+def _linear_fma_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    rm, rn, rk = _tile_ranges(BLOCK_M, BLOCK_N, BLOCK_K)
+    # Rows past M or N re-read the last valid row (results never stored): loads stay unmasked
+    # along M and N, so full tiles keep 16-byte vector loads.
+    rm_in = tl.minimum(rm, M - 1).to(tl.int64)
+    rn_in = tl.minimum(rn, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + rm_in[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn_in[:, None] * stride_wn + rk[None, :]
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if USE_PDL:
+        # Under PDL this program may start while the previous kernel still runs: pull the first
+        # weight tile into L2 meanwhile (weights are never written), then wait before reading x.
+        lines = tl.minimum(tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)  # within the rows
+        _prefetch_l2(w_ptr + rn_in[:, None] * stride_wn + lines[None, :])
+        gdc_launch_dependents()
+        gdc_wait()
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs).to(tl.float32)
+        else:
+            k_mask = (k0 + rk) < K
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+        if BLOCK_M == 1:
+            acc += w * x
+        else:
+            acc += x[:, None, :] * w[None, :, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if BLOCK_M == 1:
+        y = tl.sum(acc, axis=1)[None, :]
+    else:
+        y = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn_in).to(tl.float32)[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the lines at `ptrs` (one pointer per 128-byte line); nothing waits for them."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _linear_dot_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    rm, rn, rk = _tile_ranges(BLOCK_M, BLOCK_N, BLOCK_K)
+    rn_in = tl.minimum(rn, N - 1).to(tl.int64)
+    m_mask = rm < M
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn_in[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N] view of W^T
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = (k0 + rk) < K
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        if UPCAST:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        elif x.dtype == tl.float32:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn_in).to(tl.float32)[None, :]
+    mask = m_mask[:, None] & (rn[None, :] < N)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def small_m_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: LinearConfig,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x W^T (+ b) for x [M, K] (dense last dim), weight [N, K] (dense rows). `out` is an
+    optional [M, N] result buffer with dense rows, in x's dtype or fp32 (then the fp32
+    accumulator is stored unrounded); without it the result is a new [M, N] in x's dtype."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != K:
+        raise ValueError("small_m_linear needs x [M, K] and weight [N, K] with dense last dims")
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    c = config
+    grid = (triton.cdiv(N, c.block_n), triton.cdiv(M, c.block_m))
+    args = (x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0))
+    common = {
+        "HAS_BIAS": bias is not None,
+        "BLOCK_M": c.block_m,
+        "BLOCK_N": c.block_n,
+        "BLOCK_K": c.block_k,
+        "EVEN_K": K % c.block_k == 0,
+        "num_warps": c.num_warps,
+        "num_stages": c.num_stages,
+        **_launch_options(x.device),
+    }
+    if c.kernel == "fma":
+        line = min(c.block_k, 128 // weight.element_size())  # elements per 128-byte line
+        _linear_fma_kernel[grid](*args, LINE=line, **common)
+    else:
+        _linear_dot_kernel[grid](*args, UPCAST=DOT_F32, **common)
+    return out
+
+
+# The rule, from `python benchmarks/profile_decode.py --gemv` on an H200 (2026-11-21): for the
+# decoder shapes of qwen3-0.6b and llama-3.1-8b at M = 1, 2, 4, 8 it timed cuBLAS (F.linear)
+# and a sweep of configs, each inside a CUDA graph of back-to-back calls over weight copies
+# larger than L2 (as decode streams each layer's weights from memory). What it showed:
+# - M = 1: the fma GEMV beat cuBLAS on all ten shapes, 1.03x (large: LM heads, llama
+#   gate_up) to 4x (qwen3 o_proj 1024x2048, where cuBLAS reached 0.33 TB/s). Few rows
+#   (N <= 2048) are latency-bound: 2-row tiles over long K spread the matrix over the most
+#   programs (0.96-1.04x of the best config there); otherwise 4 x 1024 tiles on 2 warps were
+#   within 9% of the best config of every shape (mostly 0-5%).
+# - M = 2..4: cuBLAS matched or beat every Triton config except on small matrices (N*K <= 2M
+#   elements: qwen3 o_proj), where it is 2.3x slower than the fma kernel with 2-row tiles.
+# - M = 2..8 on vocabulary projections (N >= 65536): the dot kernel beat cuBLAS by 2-4%.
+# - everything else (M = 5..8, M = 2..4 on larger matrices): cuBLAS, by up to 1.25x.
+MAX_M = 8
+_FAST_DTYPES = (torch.bfloat16, torch.float16)
+_rule_cache: dict[tuple[int, int, int, torch.dtype], LinearConfig | None] = {}
+
+
+def linear_config(M: int, N: int, K: int, dtype: torch.dtype) -> LinearConfig | None:
+    """The launch config for an [M, K] x [N, K]^T product on CUDA, or None for cuBLAS."""
+    key = (M, N, K, dtype)
+    if key not in _rule_cache:
+        _rule_cache[key] = _choose(M, N, K, dtype)
+    return _rule_cache[key]
+
+
+def _choose(M: int, N: int, K: int, dtype: torch.dtype) -> LinearConfig | None:
+    if dtype not in _FAST_DTYPES or not 1 <= M <= MAX_M or K % 8:  # K % 8: 16-byte rows
+        return None
+    if M == 1:
+        if N <= 2048:
+            return LinearConfig("fma", 1, 2, min(2048, triton.next_power_of_2(K)), num_warps=8)
+        return LinearConfig("fma", 1, 4, min(1024, triton.next_power_of_2(K)), num_warps=2)
+    if M <= 4 and N * K <= 2**21:
+        return LinearConfig("fma", triton.next_power_of_2(M), 2, 512, num_warps=4)
+    if N >= 65536:
+        return LinearConfig("dot", 16, 64, 128, num_warps=4, num_stages=3)
+    return None
+
+
+# ---------------------------------------------------------------------- q/k RMSNorm + rotary
+
+
+@triton.jit
+def _lanes(d, HALF: tl.constexpr):
+    """The valid lanes of a half head. A power-of-two half needs no lane mask: leaving it out
+    keeps the loads 16 bytes wide (Triton cannot see that `d < HALF` is all true)."""
+    if HALF == d.shape[0]:
+        return tl.full(d.shape, 1, tl.int1)
+    return d < HALF
+
+
+@triton.jit
+def _norm_rope_heads(
+    src, dst, w_ptr, h0, num_heads, stride_h, cos, sin, d, eps,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    """Normalise (optionally) and rotate heads h0 .. h0 + BLOCK_H of one token; `dst` rows are
+    dense [heads, HEAD_DIM]."""
+    h = h0 + tl.arange(0, BLOCK_H)
+    mask = (h < num_heads)[:, None] & _lanes(d, HALF)[None, :]
+    p1 = src + h[:, None] * stride_h + d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = dst.dtype.element_ty
+    if HAS_NORM:
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(w_ptr + d, mask=_lanes(d, HALF), other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + d, mask=_lanes(d, HALF), other=0.0).to(tl.float32)[None, :]
+        # As the reference: normalised value rounded to the dtype, times the weight, rounded.
+        x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    q1 = dst + h[:, None] * HEAD_DIM + d[None, :]
+    tl.store(q1, o1.to(dtype), mask=mask)
+    tl.store(q1 + HALF, o2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, eps,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, Q_BLOCKS: tl.constexpr,
+    HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    # Program (t, j): token t; head block j of q, or of k once j passes q's blocks.
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    d = tl.arange(0, BLOCK_HALF)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    dtype = q_out_ptr.dtype.element_ty
+    # cos/sin rounded to the activations' dtype first, as the reference (and transformers) do.
+    lanes = _lanes(d, HALF)
+    cos = tl.load(cos_ptr + pos * stride_cos + d, mask=lanes, other=0.0).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_cos + d, mask=lanes, other=0.0).to(dtype).to(tl.float32)[None, :]
+    if j < Q_BLOCKS:
+        _norm_rope_heads(
+            q_ptr + t * stride_qt, q_out_ptr + t * (NUM_Q_HEADS * HEAD_DIM), qw_ptr, j * BLOCK_H,
+            NUM_Q_HEADS, stride_qh, cos, sin, d, eps, HEAD_DIM, HALF, BLOCK_H, HAS_NORM,
+        )  # fmt: skip
+    else:
+        _norm_rope_heads(
+            k_ptr + t * stride_kt, k_out_ptr + t * (NUM_K_HEADS * HEAD_DIM), kw_ptr, (j - Q_BLOCKS) * BLOCK_H,
+            NUM_K_HEADS, stride_kh, cos, sin, d, eps, HEAD_DIM, HALF, BLOCK_H, HAS_NORM,
+        )  # fmt: skip
+
+
+def qk_norm_rope(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm (when weights are given) then neox rotary on q [T, Hq, D] and
+    k [T, Hk, D] (views with a dense last dim, e.g. column slices of the fused qkv output).
+    cos/sin: [max_positions, D/2] fp32 tables; positions: [T] ints. Returns new dense q, k."""
+    tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    if q.stride(2) != 1 or k.stride(2) != 1 or head_dim % 2 or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("qk_norm_rope needs dense head dims, an even head_dim and dense cos/sin rows")
+    q_out = torch.empty(tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(tokens, num_k_heads, head_dim, dtype=k.dtype, device=k.device)
+    if tokens == 0:
+        return q_out, k_out
+    half = head_dim // 2
+    block_h = min(4, triton.next_power_of_2(max(num_q_heads, num_k_heads)))
+    q_blocks = triton.cdiv(num_q_heads, block_h)
+    grid = (tokens, q_blocks + triton.cdiv(num_k_heads, block_h))
+    has_norm = q_weight is not None
+    _qk_norm_rope_kernel[grid](
+        q, k, q_out, k_out, positions, cos, sin,
+        q_weight if has_norm else cos, k_weight if has_norm else cos,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_dim,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h, Q_BLOCKS=q_blocks, HAS_NORM=has_norm,
+        num_warps=1 if half * block_h <= 256 else 4, **_launch_options(q.device),
+    )  # fmt: skip
+    return q_out, k_out
+
+
+# ------------------------------------------------------------------- (residual add +) RMSNorm
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = _lanes(cols, N)
+    dtype = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        gdc_launch_dependents()  # the next matmul starts streaming its weights now
+        gdc_wait()
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(dtype)  # the sum is rounded before the norm reads it, as in the reference
+        tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    y = (x * inv).to(dtype).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_o + cols, y.to(dtype), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of the rows of x [T, N] (dense rows); with `residual` [T, N], of x + residual,
+    returning (normed, x + residual) like layers.add_rms_norm_plain. Outputs in x's dtype."""
+    tokens, n = x.shape
+    if x.stride(1) != 1 or (residual is not None and (residual.shape != x.shape or residual.stride(1) != 1)):
+        raise ValueError("rms_norm needs rows with a dense last dim")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    total = torch.empty_like(out) if residual is not None else out
+    if tokens:
+        block = triton.next_power_of_2(n)
+        r = residual if residual is not None else x
+        _rms_norm_kernel[(tokens,)](
+            x, r, weight, out, total, x.stride(0), r.stride(0), out.stride(0), total.stride(0), eps,
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 256)),
+            **_launch_options(x.device),
+        )  # fmt: skip
+    return out if residual is None else (out, total)

@@ -1,0 +1,344 @@
+"""The Triton decode kernels of models/triton_ops.py against their torch twins.
+
+CPU tests run tiny shapes in Triton's interpreter (conftest sets TRITON_INTERPRET=1 when no
+GPU is present); shapes are chosen so that tiles are ragged in every dimension (N and M not
+multiples of the block, K not a multiple of BLOCK_K, a head_dim whose half is not a power of
+two). GPU tests (`pytest -m gpu tests/test_decode_kernels.py`) use the real decoder shapes of
+qwen3-0.6b and llama-3.1-8b, several M and dtypes, every config the dispatch rule can return,
+and a CUDA-graph replay.
+
+Every check draws fresh random inputs and poisons the output buffer with NaN first, so an
+element the kernel never wrote fails the check.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve.models.layers import rms_norm_plain, rope_inv_freq, rope_plain
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+interp = pytest.mark.skipif(
+    not (HAS_TRITON and INTERPRET), reason="needs triton and TRITON_INTERPRET=1 (set by conftest without a GPU)"
+)
+gpu = pytest.mark.gpu
+
+# qwen3-0.6b and llama-3.1-8b: (N, K) of qkv, o, gate_up, down and the LM head
+QWEN3_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]
+LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check_linear(M, N, K, dtype, device, config, bias: bool, tol: float, seed: int = 0) -> None:
+    from nanoserve.models import triton_ops
+
+    gen = torch.Generator(device=device).manual_seed(seed)  # drawn where they are used: LM heads are large
+    x = torch.randn(M, K, generator=gen, device=device).to(dtype)
+    w = (torch.randn(N, K, generator=gen, device=device) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=gen, device=device).to(dtype) if bias else None
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+    got = triton_ops.small_m_linear(x, w, b, config, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert not torch.isnan(out).any(), f"unwritten element ({config})"
+    err = rel_err(out, ref)
+    assert err < tol, f"{config} M={M} N={N} K={K} {dtype}: relative error {err:.2e}"
+
+
+def make_qk(tokens, num_q, num_k, head_dim, dtype, device, seed, max_pos=64):
+    """q, k as column views of one fused qkv projection, positions, cos/sin tables, norm weights."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    width = (num_q + 2 * num_k) * head_dim
+    qkv = (3 * torch.randn(tokens, width, generator=gen)).to(device, dtype)
+    q, k, _ = qkv.split([num_q * head_dim, num_k * head_dim, num_k * head_dim], dim=1)
+    q, k = q.view(tokens, num_q, head_dim), k.view(tokens, num_k, head_dim)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(head_dim, 10000.0, None))
+    cos, sin = freqs.cos().to(device), freqs.sin().to(device)
+    qw = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(device, dtype)
+    kw = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(device, dtype)
+    return q, k, positions, cos, sin, qw, kw
+
+
+def check_qk_norm_rope(tokens, num_q, num_k, head_dim, dtype, device, norm: bool, tol: float, seed=0) -> None:
+    from nanoserve.models import triton_ops
+
+    eps = 1e-6
+    q, k, pos, cos, sin, qw, kw = make_qk(tokens, num_q, num_k, head_dim, dtype, device, seed)
+
+    def torch_twin(q, k, qw, kw, cos, sin):
+        if norm:
+            q, k = rms_norm_plain(q, qw, eps), rms_norm_plain(k, kw, eps)
+        return rope_plain(pos, q, k, cos, sin)
+
+    twin = torch_twin(q, k, qw, kw, cos, sin)
+    exact = torch_twin(*(t.double() for t in (q, k, qw, kw, cos, sin)))
+    got = triton_ops.qk_norm_rope(pos, q, k, cos, sin, *((qw, kw, eps) if norm else ()))
+    for g, t, e in zip(got, twin, exact):
+        assert g.shape == t.shape and g.dtype == dtype and g.is_contiguous()
+        assert not torch.isnan(g).any()
+        assert rel_err(g, e) < tol, f"relative error {rel_err(g, e):.2e} against float64"
+        assert rel_err(g, t) < tol, f"relative error {rel_err(g, t):.2e} against the torch twin"
+
+
+# ------------------------------------------------------------------------------ CPU tests
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_gemv_ragged(dtype):
+    from nanoserve.models.triton_ops import LinearConfig
+
+    # N = 10 over blocks of 4, K = 80 over blocks of 32 (masked tail), with a bias
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    check_linear(1, 10, 80, dtype, "cpu", LinearConfig("fma", 1, 4, 32), bias=True, tol=tol, seed=1)
+
+
+@interp
+def test_interp_fma_several_rows():
+    from nanoserve.models.triton_ops import LinearConfig
+
+    # M = 3 in a block of 2 (two row blocks, the second half empty), even K
+    check_linear(3, 12, 64, torch.float32, "cpu", LinearConfig("fma", 2, 8, 32), bias=False, tol=1e-5, seed=2)
+
+
+@interp
+@pytest.mark.parametrize("K", [64, 40])
+def test_interp_dot_kernel(K):
+    from nanoserve.models.triton_ops import LinearConfig
+
+    # M = 5 padded to 16, N = 20 over blocks of 16
+    check_linear(5, 20, K, torch.float32, "cpu", LinearConfig("dot", 16, 16, 16), bias=True, tol=1e-5, seed=3)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_qk_norm_rope(dtype):
+    # bf16: the interpreter truncates fp32 -> bf16 instead of rounding (twice the error of
+    # the compiled kernel, which the GPU tests hold to 1e-2)
+    tol = 1e-5 if dtype == torch.float32 else 2.5e-2
+    check_qk_norm_rope(3, 6, 2, 16, dtype, "cpu", norm=True, tol=tol, seed=4)
+
+
+@interp
+def test_interp_rope_only_odd_half():
+    # head_dim 24: half 12 is not a power of two (masked lanes); 5 q heads over blocks of 4
+    check_qk_norm_rope(2, 5, 1, 24, torch.float32, "cpu", norm=False, tol=1e-5, seed=5)
+
+
+def test_linear_rule_declines_what_it_cannot_run():
+    from nanoserve.models.triton_ops import MAX_M, linear_config
+
+    assert linear_config(1, 4096, 1024, torch.float32) is None  # fp32: cuBLAS (exactness path)
+    assert linear_config(MAX_M + 1, 4096, 1024, torch.bfloat16) is None  # prefill-sized M
+    assert linear_config(0, 4096, 1024, torch.bfloat16) is None
+    assert linear_config(1, 4096, 1001, torch.bfloat16) is None  # rows not 16-byte aligned
+
+
+# ------------------------------------------------------------------------------ GPU tests
+
+
+def rule_configs():
+    from nanoserve.models.triton_ops import MAX_M, linear_config
+
+    seen = {}
+    for n, k in QWEN3_SHAPES + LLAMA_SHAPES:
+        for m in range(1, MAX_M + 1):
+            c = linear_config(m, n, k, torch.bfloat16)
+            if c is not None:
+                seen.setdefault(c, (m, n, k))
+    return seen
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_rule_on_model_shapes(M, dtype):
+    from nanoserve.models.triton_ops import linear_config
+
+    for i, (n, k) in enumerate(QWEN3_SHAPES + LLAMA_SHAPES):
+        config = linear_config(M, n, k, dtype)
+        if config is not None:
+            check_linear(M, n, k, dtype, "cuda", config, bias=(i % 2 == 0), tol=1e-2, seed=10 * M + i)
+
+
+@gpu
+def test_gpu_every_rule_config_and_both_kernels():
+    from nanoserve.models.triton_ops import LinearConfig
+
+    configs = dict(rule_configs())
+    configs[LinearConfig("fma", 4, 4, 256)] = (3, 1000, 1032)  # ragged N, K not a multiple of 256
+    configs[LinearConfig("dot", 16, 64, 128, num_stages=3)] = (7, 999, 1000)
+    for j, (config, (m, n, k)) in enumerate(configs.items()):
+        for M in sorted({1, m, min(m + 1, 8)}):  # a 1-row config on M > 1 runs a program per row
+            check_linear(M, n, k, torch.bfloat16, "cuda", config, bias=True, tol=1e-2, seed=100 + j)
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_gpu_qk_norm_rope(tokens, heads, norm):
+    check_qk_norm_rope(tokens, *heads, 128, torch.bfloat16, "cuda", norm=norm, tol=1e-2, seed=tokens)
+
+
+@gpu
+def test_gpu_layers_dispatch_matches_torch_twins():
+    """The layers' CUDA dispatch (Triton) against the same layers with the kernels off."""
+    from nanoserve.models import layers
+    from nanoserve.models.layers import RMSNorm, RotaryEmbedding
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    w = (torch.randn(4096, 1024, device=dev) / 32).bfloat16()
+    rot = RotaryEmbedding(128, 4096, 1e6, None).to(dev)
+    qn, kn = RMSNorm(128, 1e-6).to(dev, torch.bfloat16), RMSNorm(128, 1e-6).to(dev, torch.bfloat16)
+    with torch.no_grad():
+        qn.weight.uniform_(0.8, 1.2), kn.weight.uniform_(0.8, 1.2)
+    for M in (1, 4, 64):
+        x = torch.randn(M, 1024, device=dev).bfloat16()
+        qkv = layers.linear(x, w)
+        assert rel_err(qkv, F.linear(x, w)) < 1e-2
+        q, k = qkv[:, :2048].view(M, 16, 128), qkv[:, 2048:3072].view(M, 8, 128)
+        pos = torch.randint(0, 4096, (M,), device=dev)
+        fast = rot(pos, q, k, qn, kn)
+        old, layers.TRITON_OPS = layers.TRITON_OPS, False
+        try:
+            slow = rot(pos, q, k, qn, kn)
+        finally:
+            layers.TRITON_OPS = old
+        for a, b in zip(fast, slow):
+            assert rel_err(a, b) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("pdl", [True, False])
+def test_gpu_graph_replay_chain(pdl):
+    """add + RMSNorm -> qkv GEMV -> q/k norm + rotary, captured in a CUDA graph (with PDL,
+    each kernel starts before the previous one ends): every replay on fresh inputs equals
+    the torch reference of those inputs (a kernel reading its input too early would see
+    the previous replay's values) and an eager call bit for bit."""
+    from nanoserve.models import triton_ops
+    from nanoserve.models.layers import add_rms_norm_plain
+
+    dev = "cuda"
+    old, triton_ops.PDL = triton_ops.PDL, pdl
+    try:
+        h = torch.randn(1, 1024, device=dev).bfloat16()
+        res = torch.randn(1, 1024, device=dev).bfloat16()
+        nw = (1 + 0.1 * torch.randn(1024, device=dev)).bfloat16()
+        w = (torch.randn(4096, 1024, device=dev) / 32).bfloat16()
+        _, _, pos, cos, sin, qw, kw = make_qk(1, 16, 8, 128, torch.bfloat16, dev, seed=7, max_pos=64)
+        config = triton_ops.linear_config(1, 4096, 1024, torch.bfloat16)
+
+        def step():
+            normed, total = triton_ops.rms_norm(h, nw, 1e-6, res)
+            qkv = triton_ops.small_m_linear(normed, w, None, config)
+            q, k = qkv[:, :2048].view(1, 16, 128), qkv[:, 2048:3072].view(1, 8, 128)
+            return (total, qkv, *triton_ops.qk_norm_rope(pos, q, k, cos, sin, qw, kw))
+
+        def reference():
+            normed, total = add_rms_norm_plain(h, res, nw, 1e-6)
+            qkv = F.linear(normed, w)
+            q, k = qkv[:, :2048].view(1, 16, 128), qkv[:, 2048:3072].view(1, 8, 128)
+            q, k = rope_plain(pos, rms_norm_plain(q, qw, 1e-6), rms_norm_plain(k, kw, 1e-6), cos, sin)
+            return total, qkv, q, k
+
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+        for trial in range(5):
+            h.copy_(torch.randn_like(h))
+            res.copy_(torch.randn_like(res))
+            pos.copy_(torch.randint(0, 64, pos.shape, device=dev))
+            graph.replay()
+            for a, b in zip(outs, reference()):
+                assert rel_err(a, b) < 2e-2, f"replay {trial}: relative error {rel_err(a, b):.2e}"
+            for a, b in zip(outs, step()):
+                assert torch.equal(a, b), f"replay {trial} differs from eager"
+    finally:
+        triton_ops.PDL = old
+
+
+@gpu
+def test_gpu_engine_greedy_kernels_on_vs_off():
+    """Dummy qwen3-0.6b in bf16, batch-1 decode (every linear a GEMV, q/k norm + rotary
+    fused), eager: greedy tokens with the Triton decode kernels on vs off. The two sum in
+    different orders, so runs may part at a bf16 near-tie: each divergent token must be in
+    the other run's top-5, and at least 75% of prompts identical (the cross-kernel bar of
+    test_gpu_fastpath.py)."""
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.models import layers
+    from tests.test_gpu_fastpath import compare, make_prompts
+
+    prompts = make_prompts(16, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    runs = {}
+    old = layers.TRITON_OPS
+    try:
+        for ops in (True, False):
+            layers.TRITON_OPS = ops
+            llm = LLM(
+                "qwen3-0.6b", load_format="dummy", dtype="bfloat16", max_model_len=512, kv_cache_tokens=16384,
+                max_num_seqs=1, enforce_eager=True, overlap_schedule=False,
+            )  # fmt: skip
+            with torch.inference_mode():
+                outs = llm.generate(prompts, params, use_tqdm=False)
+            runs[ops] = (
+                [o.outputs[0].token_ids for o in outs],
+                [[lp.top for lp in o.outputs[0].logprobs] for o in outs],
+            )
+            del llm
+    finally:
+        layers.TRITON_OPS = old
+    compare(runs[True], runs[False], "Triton decode kernels on vs off", min_identical=0.75)
+
+
+def check_rms_norm(tokens, n, dtype, device, residual: bool, tol: float, seed=0) -> None:
+    from nanoserve.models import triton_ops
+    from nanoserve.models.layers import add_rms_norm_plain
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = (3 * torch.randn(tokens, n, generator=gen, device=device)).to(dtype)
+    r = torch.randn(tokens, n, generator=gen, device=device).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, generator=gen, device=device)).to(dtype)
+    eps = 1e-6
+    if residual:
+        got, got_sum = triton_ops.rms_norm(x, w, eps, r)
+        twin, twin_sum = add_rms_norm_plain(x, r, w, eps)
+        assert torch.equal(got_sum, twin_sum)  # one rounding of the same sum
+        exact = rms_norm_plain((x.double() + r.double()), w.double(), eps)
+    else:
+        got = triton_ops.rms_norm(x, w, eps)
+        twin = rms_norm_plain(x, w, eps)
+        exact = rms_norm_plain(x.double(), w.double(), eps)
+    assert got.shape == x.shape and got.dtype == dtype and not torch.isnan(got).any()
+    assert rel_err(got, exact) < tol, f"relative error {rel_err(got, exact):.2e} against float64"
+    assert rel_err(got, twin) < tol, f"relative error {rel_err(got, twin):.2e} against the torch twin"
+
+
+@interp
+@pytest.mark.parametrize("n", [64, 48])  # 48: masked lanes past the row
+@pytest.mark.parametrize("residual", [True, False])
+def test_interp_rms_norm(n, residual):
+    check_rms_norm(3, n, torch.float32, "cpu", residual, tol=1e-5, seed=n)
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 8, 300])
+@pytest.mark.parametrize("n", [1024, 4096, 896])
+@pytest.mark.parametrize("residual", [True, False])
+def test_gpu_rms_norm(tokens, n, residual):
+    check_rms_norm(tokens, n, torch.bfloat16, "cuda", residual, tol=1e-2, seed=tokens + n)
