@@ -9,9 +9,20 @@ tensor goes.
 Data flow is explicit: `forward(input_ids, positions, batch)` takes the flattened new
 tokens of all requests, their positions, and the `ForwardBatch` that carries attention
 metadata, backend and KV cache down to every attention layer.
+
+Pieces: the forward is cut at every attention call into L + 1 pieces (L layers). Piece i
+runs everything from just after layer i-1's attention to just before layer i's attention:
+piece 0 starts at the embedding, piece L ends after the final norm. Between pieces only
+the residual stream and one attention call's q/k/v (or its output) cross. `forward` is
+exactly the pieces chained with `batch.attend` between them, so a caller that runs the
+pieces itself (piecewise CUDA graphs, nanoserve.engine.piecewise_graph) computes the
+same function. Every op inside a piece is row-wise (one token per row: norms, linears,
+rotary by position, SiLU): rows never mix outside attention.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -42,6 +53,15 @@ def kv_heads_per_rank(cfg: ModelConfig, tp: TPGroup) -> int:
     return 1
 
 
+class AttentionInputs(NamedTuple):
+    """What crosses from a piece into layer i's attention call (and on to piece i+1)."""
+
+    q: torch.Tensor  # [T, Hq, D]
+    k: torch.Tensor  # [T, Hk, D]
+    v: torch.Tensor  # [T, Hk, D]
+    residual: torch.Tensor  # [T, hidden]: the residual stream entering layer i's attention
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
         super().__init__()
@@ -62,17 +82,20 @@ class Attention(nn.Module):
         self.head_dim = d
         self.scale = d**-0.5
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryEmbedding):
+    def before_attention(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding):
+        """q [T, Hq, D], k and v [T, Hk, D] for the attention call: qkv projection, q/k norms
+        (Qwen3), rotary."""
         tokens, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = q.view(tokens, self.num_heads, d)
         k = k.view(tokens, self.num_kv_heads, d)
         v = v.view(tokens, self.num_kv_heads, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        out = batch.attend(self.layer_id, q, k, v, self.scale)
-        return self.o_proj(out.reshape(tokens, self.num_heads * d))
+        q, k = rotary(positions, q, k, self.q_norm, self.k_norm)  # q/k norms (Qwen3) first
+        return q, k, v
+
+    def after_attention(self, out: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention result [T, Hq, D]."""
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -94,13 +117,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, batch, rotary):
+    def before_attention(self, positions, hidden, residual, rotary) -> AttentionInputs:
+        """Input norm (adding the previous layer's output to the residual stream; the first
+        layer starts the stream with the embedding) and the attention inputs."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch, rotary)
+        return AttentionInputs(*self.self_attn.before_attention(positions, hidden, rotary), residual)
+
+    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output projection, post-attention norm (+ residual) and MLP: (MLP output, residual)."""
+        hidden = self.self_attn.after_attention(attn_out)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -118,13 +147,41 @@ class DecoderLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @property
+    def num_pieces(self) -> int:
+        return len(self.layers) + 1
+
+    def piece(
+        self,
+        i: int,
+        positions: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        attn_out: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> AttentionInputs | torch.Tensor:
+        """Piece i of the forward (see the module docstring). Piece 0 reads `input_ids`;
+        piece i > 0 reads layer i-1's attention output `attn_out` [T, Hq, D] and the
+        `residual` that entered it. Pieces 0..L-1 return layer i's AttentionInputs; piece L
+        returns the hidden states [T, hidden] after the final norm."""
+        if i == 0:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = self.layers[i - 1].after_attention(attn_out, residual)
+        if i == len(self.layers):
+            return self.norm(hidden, residual)[0]
+        return self.layers[i].before_attention(positions, hidden, residual, self.rotary)
+
+    def attention_scale(self, i: int) -> float:
+        return self.layers[i].self_attn.scale
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for every new token."""
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch, self.rotary)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        """Hidden states [T, hidden] after the final norm, for every new token: the pieces
+        chained with layer i's attention (which also stores the new K/V) between them."""
+        attn_out = residual = None
+        for i in range(len(self.layers)):
+            q, k, v, residual = self.piece(i, positions, input_ids, attn_out, residual)
+            attn_out = batch.attend(i, q, k, v, self.attention_scale(i))
+        return self.piece(len(self.layers), positions, input_ids, attn_out, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
