@@ -1,19 +1,32 @@
 #!/bin/bash
-# One device call: GPU tests, then the benchmarks; logs under $OUT (issue 5).
-export PYTHONUNBUFFERED=1
+# One device call: the GPU tests and benchmarks named in $STAGES, in order; everything goes
+# to $OUT/session.log (the device tool returns at most 8 files).
+#   STAGES="offline llama latency prefill prefix tests" bash benchmarks/gpu_session.sh
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $OUT/device.txt 2>&1
-git rev-parse HEAD >> $OUT/device.txt 2>/dev/null; date -u >> $OUT/device.txt
-export PYTHONPATH=$PWD:$PYTHONPATH
-STAGES=${STAGES:-"tests offline latency"}
-for stage in $STAGES; do
-  case $stage in
-    tests) timeout ${T_TESTS:-240} python -m pytest -m gpu tests/test_gpu_fastpath.py -q -s -p no:cacheprovider > $OUT/gpu_tests.log 2>&1; echo "tests rc=$?" >> $OUT/gpu_tests.log ;;
-    offline) timeout ${T_OFFLINE:-150} python benchmarks/offline_throughput.py $OFFLINE_ARGS > $OUT/offline.log 2>&1; echo "offline rc=$?" >> $OUT/offline.log ;;
-    offline_eager) timeout 150 python benchmarks/offline_throughput.py --enforce-eager --no-overlap > $OUT/offline_eager.log 2>&1 ;;
-    latency) timeout ${T_LAT:-150} python benchmarks/latency.py > $OUT/latency.log 2>&1; echo "latency rc=$?" >> $OUT/latency.log ;;
-    profile) timeout 200 python benchmarks/profile_decode.py > $OUT/profile.log 2>&1 ;;
-    peer) timeout ${T_PEER:-300} python benchmarks/offline_throughput.py --peer hf > $OUT/offline_peer.log 2>&1 ;;
+LOG=$OUT/session.log
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; git rev-parse HEAD; git status --short | head; date -u; } >> $LOG 2>&1
+stage() {  # name, timeout in s, command...
+  local name=$1 limit=$2; shift 2
+  echo "===== $name: $* ($(date -u +%H:%M:%S))" >> $LOG
+  local t0=$SECONDS
+  timeout $limit "$@" >> $LOG 2>&1
+  echo "===== $name rc=$? in $((SECONDS - t0)) s" >> $LOG
+}
+for s in ${STAGES:-tests offline latency}; do
+  case $s in
+    tests) stage tests 300 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_fastpath.py tests/test_piecewise_graph.py ;;
+    tests_kernels) stage tests_kernels 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_decode_kernels.py ;;
+    tests_attn) stage tests_attn 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_attention.py ;;
+    offline) stage offline 150 python benchmarks/offline_throughput.py ;;
+    offline_noops) stage offline_noops 150 env NANOSERVE_TRITON_OPS=0 python benchmarks/offline_throughput.py ;;
+    llama) stage offline_llama 200 python benchmarks/offline_throughput.py --model llama-3.1-8b ;;
+    latency) stage latency 200 python benchmarks/latency.py ;;
+    prefill) stage prefill 300 python benchmarks/prefill_graphs.py ;;
+    prefix) stage prefix 400 python benchmarks/prefix_cache.py --model qwen3-0.6b --workloads ${PREFIX_WORKLOADS:-shared,random} ;;
+    prefix_llama) stage prefix_llama 400 python benchmarks/prefix_cache.py --model llama-3.1-8b ;;
+    attention) stage attention 200 python benchmarks/attention.py ;;
+    peer) stage peer ${T_PEER:-450} python benchmarks/offline_throughput.py --peer hf ;;
   esac
-  for f in $OUT/*.log; do tail -n 4 $f; done
 done
+grep -E "^=====|tok/s|TPOT|passed|failed|error|x$" $LOG | tail -n 60

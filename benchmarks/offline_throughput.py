@@ -78,7 +78,10 @@ def run_hf_peer(model_name: str, prompts, mean_new: int, dtype, device) -> tuple
 
     model = hf_dummy_model(model_name, 0, device, dtype)
     gen = GenerationConfig(max_new_tokens=mean_new, do_sample=True, temperature=0.6, eos_token_id=-1, pad_token_id=0)
-    model.generate_batch(inputs=[p[:8] for p in prompts[:4]], generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0))
+    model.generate_batch(
+        inputs=[p[:8] for p in prompts[:4]],
+        generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0),
+    )
     torch.cuda.synchronize(device)
     started = time.perf_counter()
     out = model.generate_batch(inputs=prompts, generation_config=gen)
@@ -124,7 +127,8 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
-    engine.gpu_wait_s = 0.0
+    engine.gpu_wait_s = engine.step_s = 0.0
+    engine.num_steps = 0
     started = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     if device.type == "cuda":
@@ -138,7 +142,9 @@ def main() -> None:
     engine.check_invariants()
     wbytes = weight_bytes(engine.runner.model)
     cfg = engine.model_config
-    kv_per_token = KVCache.bytes_per_token(cfg.num_layers, engine.runner.kv_cache.k[0].shape[2], cfg.head_dim, engine.dtype)
+    kv_per_token = KVCache.bytes_per_token(
+        cfg.num_layers, engine.runner.kv_cache.k[0].shape[2], cfg.head_dim, engine.dtype
+    )
     steps = max(max_tokens)
     kv_read = sum(sum(range(p, p + m)) for p, m in zip(map(len, prompts), max_tokens)) * kv_per_token
     floor = (wbytes * steps + kv_read) / bw
@@ -150,8 +156,19 @@ def main() -> None:
         f"graphs {'off' if graphs is None else f'1..{graphs.max_bs} ({graphs.capture_seconds:.1f} s, {graphs.memory_bytes / 2**30:.2f} GiB)'}, "
         f"overlap {'on' if engine.overlap else 'off'}"
     )
-    print(f"host waited {engine.gpu_wait_s:.2f} s of {elapsed:.2f} s for sampled tokens (small: the host is the bottleneck)")
-    print(f"elapsed {elapsed:.2f} s | output {total_out / elapsed:,.0f} tok/s | total {(total_prompt + total_out) / elapsed:,.0f} tok/s")
+    print(
+        f"host waited {engine.gpu_wait_s:.2f} s of {elapsed:.2f} s for sampled tokens (small: the host is the bottleneck)"
+    )
+    busy = engine.step_s - engine.gpu_wait_s
+    print(
+        f"host time: {engine.num_steps} engine steps, {busy:.2f} s in them besides that wait (schedule, prepare, "
+        f"launch, process; on CPU also the compute) "
+        f"({1e3 * busy / max(engine.num_steps, 1):.3f} ms per step), {engine.gpu_wait_s:.2f} s waiting for the GPU, "
+        f"{elapsed - engine.step_s:.2f} s outside engine.step (LLM.generate: prompts, outputs)"
+    )
+    print(
+        f"elapsed {elapsed:.2f} s | output {total_out / elapsed:,.0f} tok/s | total {(total_prompt + total_out) / elapsed:,.0f} tok/s"
+    )
     print(
         f"floor: weights {wbytes / 1e9:.3f} GB x {steps} steps = {wbytes * steps / 1e12:.2f} TB + KV reads {kv_read / 1e12:.2f} TB "
         f"at copy {bw / 1e12:.2f} TB/s = {floor:.2f} s -> {floor / elapsed:.1%} of the floor"
@@ -172,7 +189,7 @@ def main() -> None:
                 f"its batch API takes one), {hf_out} tokens in {hf_elapsed:.1f} s = {hf_rate:,.0f} output tok/s; "
                 f"nanoserve / transformers = {total_out / elapsed / hf_rate:.1f}x"
             )
-        except Exception as exc:  # report, do not hide the engine's numbers
+        except Exception as exc:  # noqa: BLE001 - report, do not hide the engine's numbers
             print(f"peer transformers generate_batch failed: {type(exc).__name__}: {exc}")
 
 

@@ -2,7 +2,9 @@
 
 Owns: turning prompts (text, token ids or chat conversations) into engine requests, driving
 the engine until they finish, detokenizing and applying stop strings, and returning
-`RequestOutput`s in input order.
+`RequestOutput`s in input order. Nobody streams here, so a sample without stop strings is
+added with `stream=False`: the engine reports it once, when it ends, and the loop does no
+per-token work for it.
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token-id prompts or tokenizer=")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        # Token types checked once per distinct type, not per token (prompts are long).
+        if isinstance(prompt, (list, tuple)) and all(
+            issubclass(t, int) and not issubclass(t, bool) for t in set(map(type, prompt))
+        ):
             return None, list(prompt)
         raise TypeError("a prompt is a string or a list of token ids")
 
@@ -57,7 +62,9 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        params = (
+            list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         encoded = [self._encode(p) for p in prompts]
@@ -99,7 +106,10 @@ class LLM:
             results[rid].outputs = [CompletionOutput(i, "", [], None) for i in range(p.n)]
             for i in range(p.n):
                 detoks[(rid, i)] = SampleDetokenizer(self.tokenizer, ids, p) if self.tokenizer else None
-            self.engine.add_request(rid, ids, p)
+            # Only stop strings need the text as it grows; otherwise the engine reports each
+            # sample once, finished, and its text is decoded then (the same text: the
+            # detokenizer works token by token either way).
+            self.engine.add_request(rid, ids, p, stream=bool(self.tokenizer and p.stop_strings))
         remaining = sum(p.n for p in params)
         bar = tqdm(total=remaining, desc="generating", disable=not use_tqdm)
         try:

@@ -150,3 +150,18 @@ def test_finished_request_extra_token_dropped(model_dir):
     assert_idle(llm)
     assert len(got[("a", 0)]) == 1 and finished[("a", 0)] == "length"
     assert len(got[("b", 0)]) == 8
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_warm_up_leaves_no_trace(model_dir, overlap):
+    """The start-up warm-up (run on CUDA; forced here) frees every page, empties the prefix
+    cache, zeroes the counters, and the engine then answers exactly as a fresh one."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    fresh = make_llm(model_dir, overlap, chunked_prefill_size=32)
+    want = run(fresh, PROMPTS, params)
+    warmed = make_llm(model_dir, overlap, chunked_prefill_size=32)
+    before = warmed.engine.stats()
+    warmed.engine._warm_up()
+    assert warmed.engine.stats() == before
+    assert warmed.engine.num_steps == 0 and warmed.engine.step_s == 0.0
+    assert run(warmed, PROMPTS, params) == want

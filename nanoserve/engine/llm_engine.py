@@ -8,7 +8,13 @@ Stop *strings* need text and are the front end's job (`nanoserve.detokenizer`), 
 aborts a sample once its text contains one.
 
 Invariant: after `step()` returns, every finished request holds no page and no slot, and
-each output token was reported exactly once, in order.
+each output token was reported exactly once, in order. A request added with `stream=False`
+is reported once, when it finishes (with all its tokens): callers that do not stream (the
+offline `LLM`) skip the per-token update objects.
+
+Host cost: in the overlap loop the host prepares step N+1 while the device runs step N, so
+everything `step()` does per request is paid on every step; the decode path keeps it to a
+few passes over the batch (see benchmarks/host_overhead.py for the per-phase figures).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed.tp_runner import agree_kv_plan, init_tensor_parallel, wrap_runner
 from nanoserve.engine.model_runner import ModelRunner, plan_kv_capacity
 from nanoserve.engine.sampler import Sampler, SampleRow
-from nanoserve.kvcache.pool import PageAllocator
+from nanoserve.kvcache.pool import PageAllocator, PageTable
 from nanoserve.kvcache.radix import RadixCache
 from nanoserve.models.decoder import kv_heads_per_rank
 from nanoserve.models.loader import build_model
@@ -32,7 +38,7 @@ from nanoserve.models.registry import resolve_model
 from nanoserve.outputs import StepUpdate
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler.request import Request
-from nanoserve.scheduler.scheduler import ScheduledBatch, Scheduler
+from nanoserve.scheduler.scheduler import ScheduledBatch, Scheduler, pages_for
 from nanoserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("nanoserve")
@@ -52,8 +58,12 @@ class LLMEngine:
         cfg = source.config
         wanted_len = config.max_model_len or cfg.max_position_embeddings
         torch.manual_seed(config.seed)
-        model = build_model(source, config.load_format, self.dtype, self.device, config.seed, max_positions=wanted_len, tp=tp)
-        plan = agree_kv_plan(plan_kv_capacity(config, cfg, kv_heads_per_rank(cfg, model.tp), self.dtype, self.device), tp)
+        model = build_model(
+            source, config.load_format, self.dtype, self.device, config.seed, max_positions=wanted_len, tp=tp
+        )
+        plan = agree_kv_plan(
+            plan_kv_capacity(config, cfg, kv_heads_per_rank(cfg, model.tp), self.dtype, self.device), tp
+        )
         self.runner = wrap_runner(ModelRunner(config, model, plan, self.device, self.dtype), tp)
         self.max_model_len = min(wanted_len, plan.num_tokens)
         self.model_config = cfg
@@ -65,6 +75,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.chunked_prefill_size,
             copy_page=self.runner.kv_cache.copy_page,
+            page_table=PageTable(config.max_num_seqs, pages_for(self.max_model_len, plan.page_size)),
             prefix_cache=self.prefix_cache,
         )
         self.sampler = Sampler(self.device, config.seed)
@@ -72,9 +83,15 @@ class LLMEngine:
         # Overlap scheduling (CUDA by default; tests force it on CPU by setting the attribute).
         self.overlap = config.overlap_schedule and self.device.type == "cuda"
         self._inflight: _InFlight | None = None
-        self.gpu_wait_s = 0.0  # host time spent waiting for sampled tokens (profiling)
+        # Profiling counters (benchmarks reset them): host time inside step(), the part of
+        # it spent waiting for sampled tokens, and the number of steps.
+        self.gpu_wait_s = 0.0
+        self.step_s = 0.0
+        self.num_steps = 0
         self._arrivals = itertools.count()
         self._pending_updates: list[StepUpdate] = []
+        if self.device.type == "cuda" and tp.rank == 0:  # worker ranks follow rank 0's steps
+            self._warm_up()
         log.info(
             "nanoserve: %s on %s (%s), attention=%s, KV cache %d tokens (%d pages of %d, %.2f GiB), "
             "prefix cache %s, max_model_len %d, ready in %.1f s",
@@ -91,9 +108,44 @@ class LLMEngine:
             time.perf_counter() - started,
         )
 
+    def _warm_up(self) -> None:
+        """Run a few requests through every kind of step before serving, so that the Triton
+        kernels and compiled ops the first real requests need are compiled (and cached on
+        disk) now rather than while they wait: a long prompt in chunks (prefill, then extend
+        over its own prefix), a prompt sharing its first half (a prefix-cache hit), a short
+        one, decode at batch 1 and 2, greedy and random sampling. Leaves no trace: every
+        page is freed, the prefix cache emptied and the counters zeroed."""
+        started = time.perf_counter()
+        vocab = self.model_config.vocab_size
+        long_len = max(2, min(self.max_model_len - 8, self.config.chunked_prefill_size + 64))
+        long_prompt = [(i * 7919 + 1) % vocab for i in range(long_len)]
+        rounds = [
+            [(long_prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))],
+            [
+                (long_prompt[: long_len // 2] + [3, 5, 7], SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=3, ignore_eos=True)),
+                ([11, 13, 17, 19, 23], SamplingParams(temperature=0.6, max_tokens=3, ignore_eos=True)),
+            ],
+        ]  # fmt: skip
+        for i, work in enumerate(rounds):
+            for j, (prompt, params) in enumerate(work):
+                self.add_request(f"warm-up-{i}-{j}", prompt, params, stream=False)
+            while self.has_unfinished_requests():
+                self.step()
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
+        self.scheduler.num_preemptions = self.scheduler.num_prefill_tokens = 0
+        self.gpu_wait_s = self.step_s = 0.0
+        self.num_steps = 0
+        self.check_invariants()
+        log.info("warm-up requests ran in %.1f s", time.perf_counter() - started)
+
     # ---- requests ----------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: bool = True
+    ) -> None:
+        """Queue a request. `stream=False`: no update until it finishes (then one with
+        every token), for callers that only want the end result."""
         self.validate_prompt(prompt_token_ids)
         req = Request(
             request_id=request_id,
@@ -102,8 +154,22 @@ class LLMEngine:
             token_ids=list(prompt_token_ids),
             arrival=next(self._arrivals),
             generator=self._generator(params.seed),
+            stream=stream,
         )
+        self._set_stop_filter(req)
         self.scheduler.add(req)
+
+    def _set_stop_filter(self, req: Request) -> None:
+        """What `_process` checks per token before asking `_stop_reason` (see Request)."""
+        p = req.params
+        stop_len = self.max_model_len
+        if p.max_tokens is not None:
+            stop_len = min(stop_len, req.prompt_len + p.max_tokens)
+        stop_ids = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            stop_ids.update(self.model_config.eos_token_ids)
+        req.stop_len = stop_len
+        req.stop_ids = frozenset(stop_ids) if stop_ids else None
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -114,6 +180,8 @@ class LLMEngine:
                 "(the prompt and at least one generated token must fit)"
             )
         vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) >= 0 and max(prompt_token_ids) < vocab:  # C-speed scan of the common case
+            return
         bad = next((t for t in prompt_token_ids if not (0 <= t < vocab)), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
@@ -136,8 +204,9 @@ class LLMEngine:
         """One scheduler step. Simple loop: launch the step and process its results.
         Overlap loop: launch step N+1, then process step N's results while the GPU runs
         N+1 (its input tokens are read on the device from the runner's token pool)."""
+        started = time.perf_counter()
         updates, self._pending_updates = self._pending_updates, []
-        if self._inflight is not None and self._needs_history():
+        if self._inflight is not None and self.scheduler.num_with_penalties:
             # Penalties read each request's tokens on the host: finish the step in flight.
             done, self._inflight = self._inflight, None
             updates += self._process(done)
@@ -151,33 +220,45 @@ class LLMEngine:
             updates += self._process(done)
         updates += self._pending_updates  # aborts/finishes noticed while processing
         self._pending_updates = []
+        self.step_s += time.perf_counter() - started
+        self.num_steps += 1
         return updates
 
-    def _needs_history(self) -> bool:
-        sched = self.scheduler
-        return any(r.params.has_penalties for r in (*sched.running, *sched.waiting))
-
-    def _launch(self, batch: ScheduledBatch) -> "_InFlight":
+    def _launch(self, batch: ScheduledBatch) -> _InFlight:
         """Forward + sampling of one batch, queued on the device. Each sampling request
         gets a placeholder token (-1) that `_process` fills in; its sampled token also
         goes to the token pool at the request's slot, where the next step reads it."""
-        samplers = [i for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens)) if n == r.num_uncomputed]
+        reqs = batch.requests
+        if batch.is_decode:  # every request samples, none forks (forks happen after a prompt)
+            samplers = range(len(reqs))
+        else:
+            samplers = [i for i, (r, n) in enumerate(zip(reqs, batch.num_new_tokens)) if n == r.num_uncomputed]
         inputs = self.runner.prepare(batch, samplers)
         logits = self.runner.execute(inputs)
         self.scheduler.complete_step(batch)
-        rows, sample_reqs = self._expand_forks(batch, samplers)
-        record = _InFlight(sample_reqs, {id(r) for r in batch.requests} | {id(r) for r in sample_reqs})
+        if batch.is_decode:
+            rows, sample_reqs = None, reqs
+        else:
+            rows, sample_reqs = self._expand_forks(batch, samplers)
+            if rows == list(range(len(reqs))) and len(sample_reqs) == len(reqs):
+                rows, sample_reqs = None, reqs  # every request samples its own row, no fork
+        record = _InFlight(sample_reqs, reqs)
         if not sample_reqs:
             return record
-        if rows != list(range(logits.shape[0])):
+        if rows is not None:
             logits = logits[_on_device(rows, self.device)]
-        sample_rows = [self._sample_row(r) for r in sample_reqs]
-        record.result = self.sampler.sample(logits, sample_rows)
+        record.result = self.sampler.sample(logits, [r.sample_row or self._sample_row(r) for r in sample_reqs])
+        positions = record.positions
         for req in sample_reqs:
-            record.positions.append(len(req.token_ids))
-            req.token_ids.append(-1)
+            ids = req.token_ids
+            positions.append(len(ids))
+            ids.append(-1)
         tokens = record.result.tokens
-        self.runner.token_pool[_on_device([r.slot for r in sample_reqs], self.device)] = tokens
+        if sample_reqs is reqs and inputs.req_slots is not None:
+            slots = inputs.req_slots  # already on the device
+        else:
+            slots = _on_device([r.slot for r in sample_reqs], self.device)
+        self.runner.token_pool.index_copy_(0, slots, tokens)
         if tokens.is_cuda:
             record.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             record.host.copy_(tokens, non_blocking=True)
@@ -185,7 +266,7 @@ class LLMEngine:
             record.event.record()
         return record
 
-    def _process(self, record: "_InFlight") -> list[StepUpdate]:
+    def _process(self, record: _InFlight) -> list[StepUpdate]:
         """Fill in the sampled tokens of a launched step, apply the stopping rules and
         report. A request finished (or aborted) since the launch drops its token."""
         updates: list[StepUpdate] = []
@@ -204,10 +285,15 @@ class LLMEngine:
                 req.token_ids[pos] = token
                 if lp is not None:
                     req.logprobs = (req.logprobs or []) + [lp]
-                reason = self._stop_reason(req, token, pos + 1)
-                if reason is not None:
-                    self._finish(req, reason)
-                updates.append(self._update(req))
+                # Cheap filter first: most tokens stop nothing (Request.stop_len / stop_ids).
+                if pos + 1 >= req.stop_len or (req.stop_ids is not None and token in req.stop_ids):
+                    reason = self._stop_reason(req, token, pos + 1)
+                    if reason is not None:
+                        self._finish(req, reason)
+                        updates.append(self._update(req))
+                        continue
+                if req.stream:
+                    updates.append(self._update(req))
         for req in record.deferred:
             self.scheduler.finish(req, req.finish_reason)
         return updates
@@ -219,7 +305,7 @@ class LLMEngine:
         while req.token_ids and req.token_ids[-1] < 0 and len(req.token_ids) > req.num_computed:
             req.token_ids.pop()
         inflight = self._inflight
-        if inflight is not None and id(req) in inflight.members and not req.is_finished:
+        if inflight is not None and not req.is_finished and inflight.uses(req):
             self.scheduler.dequeue(req)
             req.finish_reason = reason
             inflight.deferred.append(req)
@@ -251,12 +337,16 @@ class LLMEngine:
             num_cached_tokens=parent.num_cached_tokens,
             generator=self._generator(seed),
             forked=True,
+            stream=parent.stream,
+            stop_len=parent.stop_len,
+            stop_ids=parent.stop_ids,
         )
 
     @staticmethod
     def _sample_row(req: Request) -> SampleRow:
         if not req.params.has_penalties:  # only penalties read the history: skip the copies
-            return SampleRow(req.params, req.generator, [], [])
+            req.sample_row = SampleRow(req.params, req.generator, [], [])  # the same every step
+            return req.sample_row
         return SampleRow(req.params, req.generator, req.token_ids[: req.prompt_len], req.output_token_ids)
 
     def _stop_reason(self, req: Request, token: int, length: int) -> str | None:
@@ -331,14 +421,21 @@ class LLMEngine:
 class _InFlight:
     """A launched step whose sampled tokens have not been processed yet."""
 
-    def __init__(self, reqs: list[Request], members: set[int]):
+    def __init__(self, reqs: list[Request], batch_reqs: list[Request]):
         self.reqs = reqs  # the sampling requests (forks included), one per sampled token
-        self.members = members  # id() of every request the step uses
+        self.batch_reqs = batch_reqs  # the requests the forward ran for
+        self._members: set[int] | None = None  # id() of every request the step uses, built on demand
         self.positions: list[int] = []  # index of each request's placeholder in token_ids
         self.result = None  # SampleResult
         self.host: torch.Tensor | None = None  # pinned copy of the tokens (CUDA)
         self.event: torch.cuda.Event | None = None
         self.deferred: list[Request] = []  # finished meanwhile: release after processing
+
+    def uses(self, req: Request) -> bool:
+        """Whether the step runs or samples for `req` (asked only when a request finishes)."""
+        if self._members is None:
+            self._members = {id(r) for r in self.batch_reqs} | {id(r) for r in self.reqs}
+        return id(req) in self._members
 
 
 def _on_device(values: list[int], device: torch.device) -> torch.Tensor:

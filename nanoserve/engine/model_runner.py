@@ -13,12 +13,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanoserve.attention import get_backend
 from nanoserve.attention.base import AttentionMetadata, ForwardBatch
 from nanoserve.config import EngineConfig
-from nanoserve.engine.cuda_graph import DecodeGraphs, default_max_bs
+from nanoserve.engine.cuda_graph import DecodeGraphs, decode_layout, default_max_bs
+from nanoserve.engine.packed_inputs import PackedLayout
+from nanoserve.engine.piecewise_graph import PiecewiseGraphs, piecewise_sizes
 from nanoserve.kvcache.pool import KVCache
 from nanoserve.models.decoder import DecoderLM, kv_heads_per_rank
 from nanoserve.models.model_config import ModelConfig
@@ -41,7 +44,9 @@ class KVPlan:
         return (self.num_pages - 1) * self.page_size  # page 0 is reserved
 
 
-def plan_kv_capacity(config: EngineConfig, model_cfg: ModelConfig, kv_heads: int, dtype: torch.dtype, device: torch.device) -> KVPlan:
+def plan_kv_capacity(
+    config: EngineConfig, model_cfg: ModelConfig, kv_heads: int, dtype: torch.dtype, device: torch.device
+) -> KVPlan:
     """How many pages the KV cache gets: an explicit size if given, else on CUDA
     `memory_fraction` of the memory free after the weights, on CPU 1 GiB."""
     per_token = KVCache.bytes_per_token(model_cfg.num_layers, kv_heads, model_cfg.head_dim, dtype)
@@ -68,118 +73,199 @@ class ModelRunner:
         cfg = model.config
         self.page_size = plan.page_size
         self.kv_cache = KVCache(
-            cfg.num_layers, plan.num_pages, plan.page_size, kv_heads_per_rank(cfg, model.tp), cfg.head_dim, dtype, device
+            cfg.num_layers,
+            plan.num_pages,
+            plan.page_size,
+            kv_heads_per_rank(cfg, model.tp),
+            cfg.head_dim,
+            dtype,
+            device,
         )
         self.backend = get_backend(config.attention_backend, device, max_num_reqs=config.max_num_seqs)
         # Last sampled token of each request slot, kept on the device: a decode step whose
         # input token is still being sampled (overlap scheduling) reads it from here.
         self.token_pool = torch.zeros(config.max_num_seqs, dtype=torch.long, device=device)
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None  # prefill/extend graphs
 
     def setup_cuda_graphs(self, max_model_len: int) -> None:
-        """Capture decode graphs (CUDA only, Triton attention only; off with enforce_eager
-        or cuda_graph_max_bs=0)."""
+        """Capture decode graphs (off with cuda_graph_max_bs=0) and piecewise prefill graphs
+        (off with piecewise_cuda_graphs=False); CUDA only, Triton attention only, both off
+        with enforce_eager."""
         cfg = self.config
-        if self.device.type != "cuda" or cfg.enforce_eager or cfg.cuda_graph_max_bs == 0:
-            return
-        if self.model.tp.size > 1:
-            # Rank 0 alone would capture the collectives while the workers wait: a hang.
-            log.info("decode CUDA graphs off: not captured on every tensor-parallel rank yet")
+        if self.device.type != "cuda" or cfg.enforce_eager:
             return
         if self.backend.name != "triton":
-            log.info("decode CUDA graphs off: the %s attention backend is eager-only", self.backend.name)
+            log.info("CUDA graphs off: the %s attention backend is eager-only", self.backend.name)
+            return
+        # Tensor parallelism: every rank builds the same engine and runs this at the same
+        # point, so all capture the same graphs in the same order. The warm-ups run the
+        # sharded layers' NCCL collectives eagerly, which needs every rank there; workers then
+        # replay the graph that rank 0's step names (tp_runner). The decisions below read only
+        # the shared config, except the default decode size, which all ranks agree on.
+        tp = self.model.tp
+        sizes = piecewise_sizes(cfg.chunked_prefill_size) if cfg.piecewise_cuda_graphs else []
+        if sizes and tp.size > 1:
+            log.info("piecewise prefill graphs off under tensor parallelism (not verified on GPUs yet)")
+            sizes = []
+        if sizes:
+            self.piecewise = PiecewiseGraphs(self.model, sizes, self.device, self.model.embed_tokens.weight.dtype)
+            self.piecewise.capture()
+        if cfg.cuda_graph_max_bs == 0:
             return
         max_bs = cfg.cuda_graph_max_bs
         max_bs = default_max_bs(self.device, cfg.max_num_seqs) if max_bs is None else min(max_bs, cfg.max_num_seqs)
+        max_bs = tp.agree_min(max_bs, self.device)
         self.graphs = DecodeGraphs(self, max_bs, max_model_len)
         self.graphs.capture()
 
-    def prepare(self, batch: ScheduledBatch, sample_rows: list[int]) -> "ForwardInputs":
+    @torch.inference_mode()  # writes into graph buffers whose views were made in inference mode
+    def prepare(self, batch: ScheduledBatch, sample_rows: list[int]) -> ForwardInputs:
         """Device tensors for one forward. `sample_rows` (indices into batch.requests) are
         the requests whose last new token's logits are wanted. A token id < 0 is a token
         still being sampled on the device: it is read from `token_pool` at the request's
         slot (only a request's last token can be one). A decode batch that a captured
         graph covers is padded to the graph's size with dummy rows (slot 0 in the reserved
-        page 0, sequence length 0)."""
-        ps = self.page_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        prefix_lens: list[int] = []
-        cu = [0]
-        pending = False
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            start = req.num_computed
-            ids = req.token_ids[start : start + n]
-            if ids[-1] < 0:
-                pending = True
-            input_ids.extend(ids)
-            pages = req.pages
-            if n == 1:
-                positions.append(start)
-                slots.append(pages[start // ps] * ps + start % ps)
-            else:
-                positions.extend(range(start, start + n))
-                slots.extend(pages[p // ps] * ps + p % ps for p in range(start, start + n))
-            prefix_lens.append(start)
-            seq_lens.append(start + n)
-            cu.append(cu[-1] + n)
-        num_reqs = len(seq_lens)
-        max_pages = -(-max(seq_lens) // ps)
-        table: list[int] = []  # flat [rows, max_pages]: one torch.tensor call on a flat list is fast
-        for req in batch.requests:
-            row = req.pages[:max_pages]
-            table += row
-            if len(row) < max_pages:
-                table += [0] * (max_pages - len(row))
-        pool_index = None
-        if pending:
-            pool_index = [req.slot if (n == t) else 0 for req, n in zip(batch.requests, batch.num_new_tokens) for t in range(1, n + 1)]
-        graph_bs = None
-        if self.graphs is not None and batch.is_decode:
-            graph_bs = self.graphs.padded_size(num_reqs)
-        if graph_bs is not None and graph_bs > num_reqs:
-            pad = graph_bs - num_reqs
-            input_ids += [0] * pad
-            positions += [0] * pad
-            slots += [0] * pad
-            seq_lens_dev = seq_lens + [0] * pad
-            prefix_lens_dev = prefix_lens + [0] * pad
-            cu_dev = cu + list(range(cu[-1] + 1, cu[-1] + pad + 1))
-            table += [0] * (max_pages * pad)
-            if pool_index is not None:
-                pool_index += [0] * pad
+        page 0, sequence length 0) and its inputs are copied straight into the graph's.
+
+        Host work per step: a few passes over the requests, then numpy over the batch; page
+        tables are rows of the scheduler's `PageTable`, gathered by slot; every integer
+        input goes into one packed buffer and to the device in one copy."""
+        if batch.is_decode and len(sample_rows) == len(batch.requests):
+            return self._prepare_decode(batch)
+        return self._prepare_extend(batch, sample_rows)
+
+    def _prepare_decode(self, batch: ScheduledBatch) -> ForwardInputs:
+        reqs = batch.requests
+        n, ps = len(reqs), self.page_size
+        prefix_host = [r.num_computed for r in reqs]
+        prefix = np.array(prefix_host, dtype=np.int64)
+        slots = np.array([r.slot for r in reqs], dtype=np.int64)
+        max_seq = int(prefix.max()) + 1
+        width = -(-max_seq // ps)
+        rows, row_of = _table_rows(batch, slots, width)
+        graph_bs = self.graphs.padded_size(n) if self.graphs is not None else None
+        bs = n if graph_bs is None else graph_bs
+        layout = decode_layout(bs, width)
+        host, h = self._staging(layout)
+        ids = h["input_ids"]
+        ids[:n] = [r.token_ids[-1] for r in reqs]
+        h["positions"][:n] = prefix
+        h["slot_mapping"][:n] = rows[row_of, prefix // ps].astype(np.int64) * ps + prefix % ps
+        h["req_slots"][:n] = slots
+        h["pool_index"][:n] = slots
+        h["seq_lens"][:n] = prefix + 1
+        h["prefix_lens"][:n] = prefix
+        h["cu_query_lens"][:] = np.arange(bs + 1)
+        table = h["page_table"].reshape(bs, width)
+        table[:n] = rows[row_of, :width]
+        if bs > n:  # padding rows: token 0 at position 0, length 0, KV write to slot 0
+            for name in _PER_ROW_FIELDS:
+                h[name][n:] = 0
+            table[n:] = 0
+        pending = ids[:n] < 0
+        if graph_bs is not None:
+            g = self.graphs
+            g.static[: layout.nbytes].copy_(host, non_blocking=True)
+            d = g.views(bs)
+            page_table = g.page_table[:bs, :width]
+            page_table.copy_(layout.torch_view(g.static, "page_table").view(bs, width))
         else:
-            seq_lens_dev, prefix_lens_dev, cu_dev = seq_lens, prefix_lens, cu
+            d = layout.torch_views(self._to_device(host))
+            page_table = d["page_table"].view(bs, width)
+        self._resolve_pending(d, pending)
+        meta = AttentionMetadata(
+            is_decode=True,
+            seq_lens=d["seq_lens"],
+            prefix_lens=d["prefix_lens"],
+            cu_query_lens=d["cu_query_lens"],
+            page_table=page_table,
+            slot_mapping=d["slot_mapping"],
+            seq_lens_host=(prefix + 1).tolist(),
+            prefix_lens_host=prefix_host,
+            max_query_len=1,
+            max_seq_len=max_seq,
+        )
+        return ForwardInputs(d["input_ids"], d["positions"], meta, None, graph_bs, n, d["req_slots"][:n])
 
-        def dev(values, dtype):
-            t = torch.tensor(values, dtype=dtype)
-            return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
-
-        ids_dev = dev(input_ids, torch.long)
-        if pool_index is not None:
-            ids_dev = torch.where(ids_dev < 0, self.token_pool[dev(pool_index, torch.long)], ids_dev)
+    def _prepare_extend(self, batch: ScheduledBatch, sample_rows: list[int]) -> ForwardInputs:
+        """Any batch (prefill chunks, prefix-cache extends, mixed lengths): numpy over tokens."""
+        reqs, counts = batch.requests, batch.num_new_tokens
+        n, ps = len(reqs), self.page_size
+        prefix_host = [r.num_computed for r in reqs]
+        prefix = np.array(prefix_host, dtype=np.int64)
+        qlens = np.array(counts, dtype=np.int64)
+        slots = np.array([r.slot for r in reqs], dtype=np.int64)
+        seq = prefix + qlens
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(qlens, out=cu[1:])
+        total = int(cu[-1])
+        max_seq = int(seq.max())
+        width = -(-max_seq // ps)
+        rows, row_of = _table_rows(batch, slots, width)
+        all_rows = len(sample_rows) == n and total == n
+        num_rows = 0 if all_rows else len(sample_rows)
+        layout = PackedLayout(
+            input_ids=total, positions=total, slot_mapping=total, req_slots=n, pool_index=total, logit_rows=num_rows,
+            seq_lens=n, prefix_lens=n, cu_query_lens=n + 1, page_table=n * width,
+        )  # fmt: skip
+        host, h = self._staging(layout)
+        flat: list[int] = []
+        for req, start, count in zip(reqs, prefix_host, counts):
+            flat += req.token_ids[start : start + count]
+        ids = h["input_ids"]
+        ids[:] = flat
+        positions = np.arange(total) + np.repeat(prefix - cu[:-1], qlens)
+        h["positions"][:] = positions
+        h["slot_mapping"][:] = rows[np.repeat(row_of, qlens), positions // ps].astype(np.int64) * ps + positions % ps
+        h["req_slots"][:] = slots
+        h["pool_index"][:] = np.repeat(slots, qlens)
+        if not all_rows:
+            h["logit_rows"][:] = cu[np.asarray(sample_rows, dtype=np.int64) + 1] - 1
+        h["seq_lens"][:] = seq
+        h["prefix_lens"][:] = prefix
+        h["cu_query_lens"][:] = cu
+        h["page_table"].reshape(n, width)[:] = rows[row_of, :width]
+        pending = ids < 0
+        d = layout.torch_views(self._to_device(host))
+        self._resolve_pending(d, pending)
         meta = AttentionMetadata(
             is_decode=batch.is_decode,
-            seq_lens=dev(seq_lens_dev, torch.int32),
-            prefix_lens=dev(prefix_lens_dev, torch.int32),
-            cu_query_lens=dev(cu_dev, torch.int32),
-            page_table=dev(table, torch.int32).view(-1, max_pages),
-            slot_mapping=dev(slots, torch.int64),
-            seq_lens_host=seq_lens,
-            prefix_lens_host=prefix_lens,
-            max_query_len=max(batch.num_new_tokens),
-            max_seq_len=max(seq_lens),
+            seq_lens=d["seq_lens"],
+            prefix_lens=d["prefix_lens"],
+            cu_query_lens=d["cu_query_lens"],
+            page_table=d["page_table"].view(n, width),
+            slot_mapping=d["slot_mapping"],
+            seq_lens_host=seq.tolist(),
+            prefix_lens_host=prefix_host,
+            max_query_len=max(counts),
+            max_seq_len=max_seq,
         )
-        if graph_bs is not None:
-            return ForwardInputs(ids_dev, dev(positions, torch.long), meta, None, graph_bs, num_reqs)
-        all_rows = len(sample_rows) == num_reqs and cu[-1] == num_reqs
-        logit_rows = None if all_rows else dev([cu[i + 1] - 1 for i in sample_rows], torch.long)
-        return ForwardInputs(ids_dev, dev(positions, torch.long), meta, logit_rows, None, num_reqs)
+        logit_rows = None if all_rows else d["logit_rows"]  # may be empty: no row samples
+        return ForwardInputs(d["input_ids"], d["positions"], meta, logit_rows, None, n, d["req_slots"])
+
+    def _staging(self, layout: PackedLayout) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+        """A host buffer for one step's packed inputs, and its typed numpy views. On CUDA it
+        is pinned (an asynchronous copy); torch's pinned-memory cache hands a block out again
+        only after the copies that read it have run, so a new buffer per step is safe."""
+        buf = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        return buf, layout.numpy_views(buf.numpy())
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
+
+    def _resolve_pending(self, d: dict[str, torch.Tensor], pending: np.ndarray) -> None:
+        """Token ids < 0 (`pending`, on the host, for the real rows) take the token pool's
+        entry, in place; padding rows keep token 0."""
+        n = len(pending)
+        ids, index = d["input_ids"][:n], d["pool_index"][:n]
+        if pending.all():
+            torch.index_select(self.token_pool, 0, index, out=ids)
+        elif pending.any():
+            torch.where(ids < 0, self.token_pool[index], ids, out=ids)
 
     @torch.inference_mode()
-    def execute(self, inputs: "ForwardInputs") -> torch.Tensor:
+    def execute(self, inputs: ForwardInputs) -> torch.Tensor:
         """Logits [number of sampled rows, vocab]: the forward pass of one batch, replayed
         from a CUDA graph when `prepare` chose one. Every tensor-parallel rank runs this
         on the same inputs."""
@@ -187,17 +273,38 @@ class ModelRunner:
             return self.graphs.replay(inputs)
         return self.forward_logits(inputs)
 
-    def forward_logits(self, inputs: "ForwardInputs") -> torch.Tensor:
-        """The eager forward (also what a decode graph captures)."""
+    def forward_logits(self, inputs: ForwardInputs) -> torch.Tensor:
+        """The eager forward (also what a decode graph captures); a prefill/extend batch that
+        the piecewise graphs cover runs them, with eager attention between."""
         self.backend.prepare(inputs.meta)
         batch = ForwardBatch(inputs.meta, self.backend, self.kv_cache.k, self.kv_cache.v)
-        hidden = self.model(inputs.input_ids, inputs.positions, batch)
+        pw = self.piecewise
+        if pw is not None and not inputs.meta.is_decode and pw.padded_size(inputs.input_ids.shape[0]) is not None:
+            hidden = pw.forward(inputs.input_ids, inputs.positions, batch)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, batch)
         if inputs.logit_rows is not None:
             hidden = hidden[inputs.logit_rows]
         return self.model.compute_logits(hidden)
 
     def forward(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
         return self.execute(self.prepare(batch, sample_rows))
+
+
+# The fields of a decode step with one entry per row (cu_query_lens and the table aside).
+_PER_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "req_slots", "pool_index", "seq_lens", "prefix_lens")
+
+
+def _table_rows(batch: ScheduledBatch, slots: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(page-table rows, row of each request in them): the scheduler's table and the slots,
+    or, for a batch built by hand without one, rows made from the requests' page lists."""
+    if batch.page_table is not None:
+        return batch.page_table.rows, slots
+    reqs = batch.requests
+    rows = np.zeros((len(reqs), max(width, max(len(r.pages) for r in reqs))), dtype=np.int32)
+    for i, req in enumerate(reqs):
+        rows[i, : len(req.pages)] = req.pages
+    return rows, np.arange(len(reqs))
 
 
 @dataclass
@@ -211,3 +318,4 @@ class ForwardInputs:
     logit_rows: torch.Tensor | None  # long [R]: rows of the hidden states to project; None: all
     graph_bs: int | None = None  # padded size of the decode graph to replay, None: eager
     num_reqs: int = 0  # real requests (rows past it are padding)
+    req_slots: torch.Tensor | None = None  # long [num_reqs]: each request's slot (rank 0 only, not broadcast)

@@ -13,6 +13,7 @@ distribution (before penalties and temperature), as in OpenAI's API.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
         if not p.has_penalties:
             continue
         if p.repetition_penalty != 1:
-            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), device=logits.device, dtype=torch.long)
+            seen = torch.tensor(
+                sorted(set(row.prompt_ids) | set(row.output_ids)), device=logits.device, dtype=torch.long
+            )
             values = logits[i, seen]
             logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
         if row.output_ids and (p.frequency_penalty or p.presence_penalty):
@@ -95,6 +98,38 @@ class SampleResult:
         return tokens, result
 
 
+class _BatchPlan:
+    """What `sample` derives from a batch's rows that depends only on their params and
+    generators: reused while the same row objects come back in the same order (a decode
+    batch whose requests did not change), so a step does no per-row Python work. Holding
+    `rows` keeps those objects alive, so an identity match cannot be a recycled id."""
+
+    def __init__(self, rows: list[SampleRow], vocab: int, device: torch.device):
+        self.rows = list(rows)
+        params = [r.params for r in rows]
+        self.penalties = any(p.has_penalties for p in params)
+        self.random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        self.all_random = bool(rows) and len(self.random_rows) == len(rows)
+        self.random_index = None if self.all_random else _device_tensor(self.random_rows, device, torch.long)
+        chosen = [params[i] for i in self.random_rows]
+        temps = [p.temperature for p in chosen]
+        self.temperature: float | torch.Tensor = temps[0] if temps else 1.0
+        if any(t != temps[0] for t in temps):
+            self.temperature = _device_tensor(temps, device, torch.float32)[:, None]
+        self.masks = None  # (top_k, top_p, min_p) of the random rows, when any is set
+        if any(p.top_k != -1 or p.top_p < 1 or p.min_p > 0 for p in chosen):
+            self.masks = (
+                _device_tensor([p.top_k if p.top_k != -1 else vocab for p in chosen], device, torch.long),
+                _device_tensor([p.top_p for p in chosen], device, torch.float32),
+                _device_tensor([p.min_p for p in chosen], device, torch.float32),
+            )
+        self.seeded = [(j, rows[i].generator) for j, i in enumerate(self.random_rows) if rows[i].generator is not None]
+        self.lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+
+    def matches(self, rows: list[SampleRow]) -> bool:
+        return len(rows) == len(self.rows) and all(map(operator.is_, rows, self.rows))
+
+
 def _race_argmax(scaled_logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (scaled_logits - noise.log()).argmax(dim=-1)
 
@@ -106,6 +141,7 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._plan: _BatchPlan | None = None
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Host tokens and logprobs (syncs); the engine uses `sample` and converts later."""
@@ -114,36 +150,27 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         """Tokens as a device tensor. No host sync unless a row has penalties (they read
         the request's history, built on the host)."""
+        plan = self._plan
+        if plan is None or not plan.matches(rows):
+            plan = self._plan = _BatchPlan(rows, logits.shape[1], logits.device)
         logits = logits.float()
         raw = logits
-        if any(r.params.has_penalties for r in rows):
+        if plan.penalties:
             logits = apply_penalties(logits.clone(), rows)
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if random_rows:
-            dev = logits.device
-            all_random = len(random_rows) == len(rows)
-            sub = logits if all_random else logits[_device_tensor(random_rows, dev, torch.long)]
-            params = [rows[i].params for i in random_rows]
-            temps = [p.temperature for p in params]
-            if all(t == temps[0] for t in temps):
-                sub = sub / temps[0]
-            else:
-                sub = sub / _device_tensor(temps, dev, torch.float32)[:, None]
-            if any(p.top_k != -1 or p.top_p < 1 or p.min_p > 0 for p in params):
-                vocab = sub.shape[1]
-                top_k = _device_tensor([p.top_k if p.top_k != -1 else vocab for p in params], dev, torch.long)
-                top_p = _device_tensor([p.top_p for p in params], dev, torch.float32)
-                min_p = _device_tensor([p.min_p for p in params], dev, torch.float32)
-                sub = mask_logits(sub, top_k, top_p, min_p)
+        tokens = None if plan.all_random else logits.argmax(dim=-1)
+        if plan.random_rows:
+            sub = logits if plan.all_random else logits[plan.random_index]
+            sub = sub / plan.temperature
+            if plan.masks is not None:
+                sub = mask_logits(sub, *plan.masks)
             # argmax(p / E) == argmax(log p - log E) == argmax(logits / T - log E): no softmax.
-            noise = self._exponential_noise(sub.shape, [rows[i].generator for i in random_rows])
+            noise = self._exponential_noise(sub.shape, plan.seeded)
             drawn = race_argmax(sub, noise)
-            if all_random:
+            if plan.all_random:
                 tokens = drawn
             else:
-                tokens[_device_tensor(random_rows, dev, torch.long)] = drawn
-        result = SampleResult(tokens, rows, [i for i, r in enumerate(rows) if r.params.logprobs is not None])
+                tokens[plan.random_index] = drawn
+        result = SampleResult(tokens, rows, plan.lp_rows)
         if result.lp_rows:
             idx = _device_tensor(result.lp_rows, logits.device, torch.long)
             logp = raw[idx].log_softmax(dim=-1)
@@ -152,9 +179,9 @@ class Sampler:
             result.lp_chosen = logp.gather(1, tokens[idx][:, None])[:, 0]
         return result
 
-    def _exponential_noise(self, shape, generators: list[torch.Generator | None]) -> torch.Tensor:
+    def _exponential_noise(self, shape, seeded: list[tuple[int, torch.Generator]]) -> torch.Tensor:
+        """Exp(1) noise from the sampler's generator; row i of `seeded` from its own."""
         noise = torch.empty(shape, device=self.device).exponential_(generator=self.generator)
-        for i, gen in enumerate(generators):
-            if gen is not None:
-                noise[i].exponential_(generator=gen)
+        for i, gen in seeded:
+            noise[i].exponential_(generator=gen)
         return noise

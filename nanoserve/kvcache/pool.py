@@ -1,7 +1,7 @@
 """KV storage and page ownership.
 
-Owns: the preallocated per-layer K/V tensors (`KVCache`) and the page allocator
-(`PageAllocator`).
+Owns: the preallocated per-layer K/V tensors (`KVCache`), the page allocator
+(`PageAllocator`) and the host-side page table of the request slots (`PageTable`).
 
 Layout: each layer has k and v of shape [num_pages, page_size, num_kv_heads, head_dim];
 a cache slot is page * page_size + offset.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 
@@ -116,3 +117,38 @@ class PageAllocator:
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
+
+
+class PageTable:
+    """Host copy of every request slot's pages: row `slot` of `rows` lists, in order, the
+    pages of the request holding that slot, then zeros.
+
+    Why: building each step's page table from the requests' Python lists costs time per
+    request and per page on every step; with this table a step's inputs are a numpy
+    gather by slot. The scheduler, which alone changes a request's pages, keeps it current.
+
+    Invariants (checked by the scheduler's `check_invariants`):
+    - a slot held by a request: rows[slot, :len(pages)] == pages, rows[slot, len(pages):] == 0;
+    - a free slot's row is all zeros;
+    - a request holds at most `max_pages` pages (max_model_len / page_size, rounded up).
+    """
+
+    def __init__(self, num_slots: int, max_pages: int):
+        self.rows = np.zeros((num_slots, max_pages), dtype=np.int32)
+        self.max_pages = max_pages
+
+    def assign(self, slot: int, pages: list[int]) -> None:
+        """`slot` was just given to a request (a free slot's row is zeros) holding `pages`."""
+        self.extend(slot, 0, pages)
+
+    def extend(self, slot: int, start: int, pages: list[int]) -> None:
+        """The request at `slot` got `pages`, its pages number `start` and on."""
+        if slot is None:  # numpy would read rows[None] as every row
+            raise ValueError("page table update for a request without a slot")
+        if start + len(pages) > self.max_pages:
+            raise ValueError(f"a request needs {start + len(pages)} pages, the table has {self.max_pages} per slot")
+        self.rows[slot, start : start + len(pages)] = pages
+
+    def clear(self, slot: int) -> None:
+        """`slot` is free again."""
+        self.rows[slot] = 0

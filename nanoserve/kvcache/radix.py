@@ -137,11 +137,7 @@ class RadixCache:
         """Pages `evict` would return to the free list if it evicted everything it
         may: cache-only pages in unlocked nodes. O(cached pages)."""
         return sum(
-            1
-            for node in self._nodes()
-            if node.lock_ref == 0
-            for p in node.pages
-            if self.allocator.refcount(p) == 1
+            1 for node in self._nodes() if node.lock_ref == 0 for p in node.pages if self.allocator.refcount(p) == 1
         )
 
     @property
@@ -330,7 +326,7 @@ class RadixCache:
 
     def _page_aligned(self, token_ids: Sequence[int]) -> tuple[int, ...]:
         n = len(token_ids) // self.page_size * self.page_size
-        return tuple(int(t) for t in token_ids[:n])  # int(): tensors/numpy ints hash by value too
+        return tuple(map(int, token_ids[:n]))  # int(): tensors/numpy ints hash by value too
 
     def _walk(self, key: tuple[int, ...]) -> tuple[RadixNode, int]:
         """Follow key (page-aligned) down the tree as far as whole pages match.

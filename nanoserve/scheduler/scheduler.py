@@ -1,7 +1,8 @@
 """Continuous batching: which requests run in the next step, and with which KV pages.
 
 Owns: the waiting queue, the running list, request slots, and every page a request holds
-(through the `PageAllocator`, and the prefix cache when there is one).
+(through the `PageAllocator`, and the prefix cache when there is one); it keeps the host
+`PageTable` (slot -> pages, read by the model runner) equal to the requests' page lists.
 
 Policy:
 - a step is either a prefill/extend batch or a decode batch; prefill has priority while
@@ -31,16 +32,22 @@ Invariants (checked by `check_invariants`, which tests call after every run):
 - pages held by requests + pages held only by the prefix cache + free pages == usable
   pages (a page both cached and held by a request counts once, as the request's);
 - a request holds one lock on `prefix_node` while it has a slot, and no other lock; with
-  no request queued no cache node is locked.
+  no request queued no cache node is locked;
+- `page_table` row of a held slot == the holder's pages (then zeros); a free slot's row is
+  zeros: every change of `req.pages` while `req` holds a slot goes through `_grow`, or
+  happens when the slot is given (`assign`) or given back (`clear`);
+- `num_with_penalties` == queued or deferred-finish requests whose sampling has penalties
+  (the engine then processes each step before scheduling the next).
 """
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nanoserve.kvcache.pool import PageAllocator
+from nanoserve.kvcache.pool import PageAllocator, PageTable
 from nanoserve.kvcache.radix import RadixCache
 from nanoserve.scheduler.request import Request, Status
 
@@ -50,6 +57,9 @@ class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]  # tokens computed this step, per request
     is_decode: bool
+    # The scheduler's slot -> pages table, current until the scheduler's next change; None
+    # for a batch built by hand (tests): the runner then reads each request's `pages`.
+    page_table: PageTable | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +70,9 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+_by_arrival = operator.attrgetter("arrival")
+
+
 class Scheduler:
     def __init__(
         self,
@@ -68,9 +81,11 @@ class Scheduler:
         max_num_seqs: int,
         chunked_prefill_size: int,
         copy_page: Callable[[int, int], None],
+        page_table: PageTable,
         prefix_cache: RadixCache | None = None,
     ):
         self.allocator = allocator
+        self.page_table = page_table
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.chunk_budget = chunked_prefill_size
@@ -81,11 +96,13 @@ class Scheduler:
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # tokens computed by prefill steps (cache hits excluded)
+        self.num_with_penalties = 0
 
     # ---- queue -------------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.num_with_penalties += req.params.has_penalties
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -103,9 +120,12 @@ class Scheduler:
 
     def _grow(self, req: Request, num_tokens: int) -> None:
         """Give `req` pages for its first `num_tokens` positions (caller checked room)."""
-        need = pages_for(num_tokens, self.page_size) - len(req.pages)
+        have = len(req.pages)
+        need = pages_for(num_tokens, self.page_size) - have
         if need > 0:
-            req.pages.extend(self.allocator.alloc(need))
+            new = self.allocator.alloc(need)
+            req.pages.extend(new)
+            self.page_table.extend(req.slot, have, new)
 
     def _attach_prefix(self, req: Request) -> None:
         """Start `req` (no slot, no pages) from the longest cached prefix of its tokens.
@@ -159,6 +179,7 @@ class Scheduler:
             cache.unlock(req.prefix_node)
             req.prefix_node = None
         if req.slot is not None:
+            self.page_table.clear(req.slot)
             self.free_slots.append(req.slot)
             req.slot = None
         self.free_slots.extend(req.reserved_slots)
@@ -191,6 +212,7 @@ class Scheduler:
         self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+        self.num_with_penalties -= req.params.has_penalties
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -235,6 +257,7 @@ class Scheduler:
                 if self.prefix_cache is not None:
                     self._count_prefix(req)
                 req.slot = self.free_slots.pop()
+                self.page_table.assign(req.slot, req.pages)  # the cached prefix's pages, if any
                 req.admitted = True
                 if req.params.n > 1 and not req.forked:
                     # Hold the children's slots now so the fork never waits for one.
@@ -246,15 +269,14 @@ class Scheduler:
             budget -= chunk
         if not chosen:
             return None
-        return ScheduledBatch(chosen, chunks, is_decode=False)
+        return ScheduledBatch(chosen, chunks, False, self.page_table)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        batch = sorted(self.running, key=lambda r: r.arrival)
-        for req in list(batch):
+        batch = sorted(self.running, key=_by_arrival)
+        page_size = self.page_size
+        for req in [r for r in batch if r.num_computed >= len(r.pages) * page_size]:  # out of room
             if req.status is not Status.RUNNING:  # O(1), unlike `req in self.running`
                 continue  # preempted while making room for an older request
-            if req.num_computed + 1 <= len(req.pages) * self.page_size:
-                continue
             while not self._ensure_free_pages(1):
                 victim = max(self.running, key=lambda r: r.arrival)
                 self.preempt(victim)
@@ -265,17 +287,20 @@ class Scheduler:
                 self._grow(req, req.num_computed + 1)
         if not batch:
             return None
-        return ScheduledBatch(batch, [1] * len(batch), is_decode=True)
+        return ScheduledBatch(batch, [1] * len(batch), True, self.page_table)
 
     # ---- after the forward -------------------------------------------------------------
 
     def complete_step(self, batch: ScheduledBatch) -> None:
         """Account the computed tokens; requests whose prompt is done start decoding."""
-        if not batch.is_decode:
-            self.num_prefill_tokens += batch.num_tokens
+        if batch.is_decode:
+            for req in batch.requests:
+                req.num_computed += 1
+            return
+        self.num_prefill_tokens += batch.num_tokens
         for req, chunk in zip(batch.requests, batch.num_new_tokens):
             req.num_computed += chunk
-            if not batch.is_decode and req.num_uncomputed == 0 and req.status is Status.WAITING:
+            if req.num_uncomputed == 0 and req.status is Status.WAITING:
                 self.waiting.remove(req)
                 req.status = Status.RUNNING
                 self.running.append(req)
@@ -304,8 +329,10 @@ class Scheduler:
                 self.prefix_cache.lock(parent.prefix_node)
                 child.prefix_node = parent.prefix_node
             child.slot = slot
+            self.page_table.assign(slot, child.pages)
             child.status = Status.RUNNING
             self.running.append(child)
+            self.num_with_penalties += child.params.has_penalties
             children.append(child)
         parent.reserved_slots = []
         parent.forked = True
@@ -319,6 +346,19 @@ class Scheduler:
             held.update(req.pages)
         return len(held)
 
+    def check_page_table(self) -> None:
+        """Rows of slots held by queued requests == their pages; rows of free slots are zeros.
+        (Also holds mid-run in the overlap loop, where a finished request may keep its slot
+        until the step in flight is processed: such rows are not checked.)"""
+        rows = self.page_table.rows
+        for r in (*self.waiting, *self.running):
+            if r.slot is not None:
+                n = len(r.pages)
+                assert rows[r.slot, :n].tolist() == r.pages and not rows[r.slot, n:].any(), (
+                    f"page table row {r.slot} differs from its request's pages"
+                )
+        assert not rows[self.free_slots].any(), "a free slot's page table row is not zero"
+
     def check_invariants(self) -> None:
         reqs = [*self.waiting, *self.running]
         assert len({id(r) for r in reqs}) == len(reqs), "a request is queued twice"
@@ -328,6 +368,9 @@ class Scheduler:
             assert r.slot is not None or not r.pages, "pages without a slot"
         for r in reqs:
             assert r.prefix_node is None or r.slot is not None, "cache lock without a slot"
+        self.check_page_table()
+        penalized = sum(r.params.has_penalties for r in reqs)
+        assert penalized <= self.num_with_penalties, "requests with penalties miscounted"
         cache = self.prefix_cache
         cached = 0
         if cache is not None:
