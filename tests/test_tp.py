@@ -1,6 +1,8 @@
 """Tensor parallelism on CPU (gloo): TP=2 against TP=1 on tiny models of every
-architecture, chunked prefill and the prefix cache on; a dead or hung worker rank makes
-rank 0 fail with a clear error within the collective timeout; the server with --tp 2.
+architecture, chunked prefill and the prefix cache on, simple and overlap loops; a dead or
+hung worker rank makes rank 0 fail with a clear error within the collective timeout; the
+server with --tp 2. Without processes: the step message packs and unpacks to the same
+inputs, and row-parallel partial sums kept in fp32 round like TP=1's matmul.
 
 Spawned ranks re-import torch, so each architecture starts one TP=2 LLM for the module.
 """
@@ -17,9 +19,20 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from tiny import TINY_CONFIGS, make_tiny_model, random_prompts
 
-from nanoserve.distributed.tp_runner import TensorParallelError
+from nanoserve.attention.base import AttentionMetadata
+from nanoserve.distributed.tp_runner import (
+    HEADER_LEN,
+    StepHeader,
+    TensorParallelError,
+    control_len,
+    control_message,
+    pack_step,
+    unpack_step,
+)
+from nanoserve.engine.model_runner import ForwardInputs
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
@@ -65,7 +78,9 @@ def test_tp2_greedy_matches_tp1(model_dirs, arch):
     del tp1
     tp2 = LLM(str(model_dirs[arch]), tensor_parallel_size=2, dist_timeout_s=60, **ENGINE)
     try:
-        got = [_tokens(tp2.generate(prompts, params, use_tqdm=False)) for _ in range(2)]
+        got = [_tokens(tp2.generate(prompts, params, use_tqdm=False))]
+        tp2.engine.overlap = True  # the overlap loop (CUDA's default): rank 0 launches step N+1 first
+        got.append(_tokens(tp2.generate(prompts, params, use_tqdm=False)))
         assert got == want
         assert tp2.engine.stats()["prefix_cache_hit_tokens"] > 0
         _assert_idle_and_no_leak(tp2)
@@ -210,3 +225,154 @@ def test_two_nodes_on_one_host(model_dirs):
         if node1.poll() is None:
             node1.kill()
             node1.wait(10)
+
+
+# ---- the step message and the row-parallel reduction (no processes) -------------------------
+
+
+def _inputs(rng: torch.Generator, tokens: int, reqs: int, width: int, rows: int | None, graph_bs: int | None):
+    def ints(n, dtype, high=1000):
+        return torch.randint(0, high, (n,), generator=rng).to(dtype)
+
+    meta = AttentionMetadata(
+        is_decode=tokens == reqs,
+        seq_lens=ints(reqs, torch.int32),
+        prefix_lens=ints(reqs, torch.int32),
+        cu_query_lens=ints(reqs + 1, torch.int32),
+        page_table=ints(reqs * width, torch.int32).view(reqs, width),
+        slot_mapping=ints(tokens, torch.long, 2**40),  # above 2**32: both int32 halves matter
+        seq_lens_host=ints(reqs - 1, torch.long).tolist(),  # unpadded: one fewer than the rows
+        prefix_lens_host=ints(reqs - 1, torch.long).tolist(),
+        max_query_len=7,
+        max_seq_len=99,
+    )
+    logit_rows = None if rows is None else ints(rows, torch.long)
+    return ForwardInputs(
+        ints(tokens, torch.long, 2**40), ints(tokens, torch.long), meta, logit_rows, graph_bs, reqs - 1
+    )
+
+
+@pytest.mark.parametrize(
+    ("tokens", "reqs", "width", "rows", "graph_bs"),
+    [(8, 8, 3, None, 8), (30, 4, 5, 3, None), (30, 4, 5, 0, None), (5, 2, 0, None, None)],
+)
+def test_step_message_round_trip(tokens, reqs, width, rows, graph_bs):
+    sent = _inputs(torch.Generator().manual_seed(tokens + reqs), tokens, reqs, width, rows, graph_bs)
+    header, host, payload = pack_step(sent)
+    assert payload.dtype == torch.int32 and payload.dim() == 1
+    msg = control_message(header, host, control_len(max_num_seqs=8))
+    h = StepHeader(*msg[:HEADER_LEN].tolist())
+    got = unpack_step(h, msg[HEADER_LEN : HEADER_LEN + 2 * h.host_reqs].tolist(), payload.clone())
+    for name in ("input_ids", "positions", "logit_rows"):
+        a, b = getattr(sent, name), getattr(got, name)
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), name
+    assert (got.graph_bs, got.num_reqs) == (sent.graph_bs, sent.num_reqs)
+    for name in ("seq_lens", "prefix_lens", "cu_query_lens", "page_table", "slot_mapping"):
+        a, b = getattr(sent.meta, name), getattr(got.meta, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for name in ("is_decode", "seq_lens_host", "prefix_lens_host", "max_query_len", "max_seq_len"):
+        assert getattr(sent.meta, name) == getattr(got.meta, name), name
+
+
+def test_control_message_too_long_is_an_error():
+    with pytest.raises(ValueError, match="exceeds"):
+        control_message(StepHeader(1), list(range(20)), control_len(max_num_seqs=4))
+
+
+def test_fp32_partial_sums_round_like_tp1():
+    """Two ranks' row-parallel partials of a bf16 matmul: kept in fp32 and rounded once
+    after the sum (what RowParallelLinear does at TP > 1), they equal TP=1's single bf16
+    matmul far more often than bf16 partials summed in bf16."""
+    from nanoserve.models.layers import linear_fp32_out
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 512, generator=g).bfloat16()
+    w = (torch.randn(256, 512, generator=g) / 16).bfloat16()
+    tp1 = torch.nn.functional.linear(x, w)
+    halves = [(x[:, :256], w[:, :256]), (x[:, 256:], w[:, 256:])]
+    partials = [linear_fp32_out(xp, wp) for xp, wp in halves]
+    assert all(p.dtype == torch.float32 for p in partials)
+    fp32_path = (partials[0] + partials[1]).bfloat16()
+    bf16_path = sum(torch.nn.functional.linear(xp, wp) for xp, wp in halves)
+    exact = (fp32_path.double() - (x.double() @ w.double().T)).abs().max()
+    assert exact <= tp1.double().abs().max() * 2**-8  # within one bf16 rounding of the exact product
+    fp32_off = (fp32_path != tp1).float().mean().item()
+    bf16_off = (bf16_path != tp1).float().mean().item()
+    assert fp32_off < 0.01 and bf16_off > 5 * max(fp32_off, 0.01), (fp32_off, bf16_off)
+
+
+def _fp32_out_error(m: int, n: int, k: int, device: str, run) -> float:
+    """Relative error of run(x, w) -> fp32 [m, n] against the exact product of bf16 x and w."""
+    g = torch.Generator(device=device).manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=g, device=device).bfloat16()
+    w = (torch.randn(n, k, generator=g, device=device) / k**0.5).bfloat16()
+    out = run(x, w)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    ref = x.double() @ w.double().T
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter (CPU runs)")
+@pytest.mark.parametrize("m", [1, 4])
+def test_small_m_linear_writes_fp32_partials(m):
+    """The Triton small-M kernel that RowParallelLinear uses at TP > 1 for decode batches,
+    given an fp32 output: fp32 sums of bf16 products, not rounded to bf16 (interpreter)."""
+    from nanoserve.models import triton_ops
+
+    def run(x, w):
+        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+        config = triton_ops.LinearConfig("fma", 1, 8, 64) if m == 1 else triton_ops.LinearConfig("dot", 16, 32, 64)
+        return triton_ops.small_m_linear(x, w, None, config, out=out)
+
+    assert _fp32_out_error(m, 48, 256, "cpu", run) < 1e-6  # bf16 outputs would be ~2e-3 off
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 64, 300])
+@pytest.mark.parametrize(("n", "k"), [(4096, 2048), (4096, 7168)])  # llama-3.1-8b o_proj, down_proj at TP=2
+def test_linear_fp32_out_on_gpu(m, n, k):
+    """linear_fp32_out on CUDA (Triton small-M kernel for decode sizes, cuBLAS with an fp32
+    output above) against the exact product: fp32 accuracy, no bf16 rounding."""
+    from nanoserve.models.layers import linear_fp32_out
+
+    assert _fp32_out_error(m, n, k, "cuda", linear_fp32_out) < 1e-5
+
+
+# ---- GPUs: decode CUDA graphs under TP (run with `pytest -m gpu tests/test_tp.py`) -------------
+
+
+@pytest.mark.gpu
+def test_tp2_decode_graphs_match_eager_on_gpus():
+    """TP=2 over NCCL with decode graphs captured on both ranks and the overlap loop, against
+    the same engine's eager twin (rank 0's graphs dropped: every rank then runs eagerly),
+    at batch sizes around the captured ones (padding, the largest graph, one past it)."""
+    from test_gpu_fastpath import compare, make_prompts, run
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    llm = LLM(
+        "qwen3-0.6b", load_format="dummy", dtype="bfloat16", tensor_parallel_size=2, max_model_len=1024,
+        kv_cache_tokens=65536, max_num_seqs=64, cuda_graph_max_bs=32, piecewise_cuda_graphs=False,
+        enable_prefix_caching=False,  # the eager run repeats the prompts: no cache hits, same prefill
+    )  # fmt: skip
+    try:
+        engine = llm.engine
+        graphs = engine.runner.graphs
+        assert graphs is not None and graphs.max_bs == 32 and engine.overlap
+        batches = [make_prompts(n, seed=n) for n in (3, 9, 32, 33)]
+        fast = [run(llm, prompts, new=24) for prompts in batches]
+        engine.runner.local.graphs, engine.overlap = None, False
+        eager = [run(llm, prompts, new=24) for prompts in batches]
+        engine.runner.local.graphs, engine.overlap = graphs, True
+        # One verdict over all 77 prompts (each batch's own would allow no divergence at all).
+        compare(_joined(fast), _joined(eager), "TP=2 graphs + overlap vs eager, batches of 3, 9, 32, 33")
+    finally:
+        llm.shutdown()
+
+
+def _joined(runs):
+    tokens, top5 = [], []
+    for t, k in runs:
+        tokens += t
+        top5 += k
+    return tokens, top5

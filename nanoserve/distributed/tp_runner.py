@@ -16,6 +16,12 @@ Process layout (N = tensor_parallel_size, L = N / nnodes ranks per host):
   scheduler made since the last step (forks of n > 1 requests); every rank then runs the
   same forward, whose collectives shard the work. The LM head gathers full logits on
   every rank; rank 0 samples, the others drop them.
+- CUDA graphs: every rank captures the same decode graphs in the same order while the
+  engine starts (`ModelRunner.setup_cuda_graphs`, run by every rank's `LLMEngine`), so each
+  captured collective has its peers; a step names the graph to replay (`graph_bs`) and
+  every rank replays that one. Rank 0's overlap loop needs nothing more: it launches step
+  N+1 (broadcast included) before it processes step N, and the workers never wait on
+  their GPU on the host, so they queue step N+1 while the GPUs still run step N.
 
 Why broadcast rather than every rank running the same scheduler: the schedule depends on
 state that only rank 0 sees or can see consistently: request arrival order and timing
@@ -23,9 +29,17 @@ state that only rank 0 sees or can see consistently: request arrival order and t
 detokenizer, the sampled tokens themselves (which decide when requests finish), and the
 prefix cache's contents. Replicating all of that would need the same broadcast of events
 plus a lock-step guarantee that two schedulers never diverge; a divergence would corrupt
-the KV cache silently. Broadcasting the scheduler's output is one message per step (a
-12-int header on the CPU control group, then one int64 tensor on the model's group) and
-makes worker ranks stateless executors.
+the KV cache silently. Broadcasting the scheduler's output makes worker ranks stateless
+executors at the cost of two messages per step:
+- a control message on the CPU gloo group, fixed length (`control_len`): a `StepHeader`
+  then the batch's host-side per-request lengths (the ints `AttentionMetadata` keeps on the
+  host). The worker reads every size it needs from it without touching its GPU, so it
+  never syncs with its device. (The header cannot ride in the NCCL payload: reading it
+  would make the worker wait for its GPU every step, and the worker could no longer run
+  ahead of it.) KV page copies, rare, go in COPY_PAGES control messages before the step;
+- one payload on the model's group (NCCL on CUDA): every device tensor of the step packed
+  into one int32 tensor (`pack_step`; int64 tensors travel as pairs of int32 and are
+  viewed back, no conversion), which workers unpack into views (`unpack_step`).
 
 Timeouts: the model's group has `dist_timeout_s`; rank 0 bounds its control-group sends
 by the same; so a rank that dies (its sockets close: the next collective fails at once) or
@@ -36,8 +50,11 @@ and when rank 0's sockets close.
 
 Shutdown: `TPModelRunner.shutdown()` (also `LLMEngine.shutdown()` / `LLM.shutdown()`, run
 as well when the runner is garbage-collected and at interpreter exit) broadcasts a
-shutdown header, joins the workers (killing any still alive after a grace period) and
-destroys the process groups. One tensor-parallel engine per process at a time.
+shutdown header; then every rank drops its CUDA graphs and destroys its process groups at
+the same time (NCCL's teardown may need the peers; rank 0 waits on it at most a grace
+period), and rank 0 joins the workers, killing any still alive after the grace period. After
+a failure rank 0 kills the workers first and then tears down alone. One tensor-parallel
+engine per process at a time.
 """
 
 from __future__ import annotations
@@ -49,7 +66,9 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -67,10 +86,100 @@ from nanoserve.engine.model_runner import ForwardInputs, KVPlan
 
 log = logging.getLogger("nanoserve")
 
-EXECUTE, SHUTDOWN = 1, 2
-HEADER_LEN = 12  # cmd, T, B, max_pages, R (-1: all rows), is_decode, max_query_len, max_seq_len,
-# n_copies, num_reqs, graph_bs (-1: eager), number of host (unpadded) requests
+EXECUTE, SHUTDOWN, COPY_PAGES = 1, 2, 3
 SHUTDOWN_GRACE_S = 10.0
+
+
+class StepHeader(NamedTuple):
+    """The fixed part of a control message (ints on the gloo control group)."""
+
+    cmd: int
+    tokens: int = 0  # T: rows of input_ids / positions / slot_mapping (graph padding included)
+    rows: int = 0  # B: rows of seq_lens / prefix_lens / page_table (graph padding included)
+    table_width: int = 0  # page-table columns
+    logit_rows: int = -1  # R: rows projected to logits; -1: all (ForwardInputs.logit_rows None)
+    is_decode: int = 0
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    num_reqs: int = 0  # ForwardInputs.num_reqs: real requests, padding excluded
+    graph_bs: int = -1  # decode graph to replay; -1: eager
+    host_reqs: int = 0  # EXECUTE: length of the host lists after the header (seq, then prefix)
+    count: int = 0  # COPY_PAGES: (src, dst) page pairs after the header
+
+
+HEADER_LEN = len(StepHeader._fields)
+
+
+def control_len(max_num_seqs: int) -> int:
+    """Ints in every control message: the header, then room for two ints per request (a
+    batch holds at most max_num_seqs requests; page copies are sent that many at a time)."""
+    return HEADER_LEN + 2 * max_num_seqs
+
+
+def pack_step(inputs: ForwardInputs) -> tuple[StepHeader, list[int], torch.Tensor]:
+    """The header, the host ints and the device payload that describe `inputs`."""
+    meta = inputs.meta
+    rows = inputs.logit_rows
+    header = StepHeader(
+        EXECUTE,
+        tokens=inputs.input_ids.numel(),
+        rows=meta.seq_lens.numel(),
+        table_width=meta.page_table.shape[1],
+        logit_rows=-1 if rows is None else rows.numel(),
+        is_decode=int(meta.is_decode),
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+        num_reqs=inputs.num_reqs,
+        graph_bs=-1 if inputs.graph_bs is None else inputs.graph_bs,
+        host_reqs=len(meta.seq_lens_host),
+    )
+    # int64 parts first: each is an even number of int32s, so every int64 part starts
+    # 8-byte aligned and the receiver can view it back as int64.
+    longs = [inputs.input_ids, inputs.positions, meta.slot_mapping, *([] if rows is None else [rows])]
+    ints = [meta.seq_lens, meta.prefix_lens, meta.cu_query_lens, meta.page_table]
+    payload = torch.cat(
+        [t.reshape(-1).to(torch.long).view(torch.int32) for t in longs] + [t.reshape(-1).to(torch.int32) for t in ints]
+    )
+    return header, [*meta.seq_lens_host, *meta.prefix_lens_host], payload
+
+
+def payload_size(h: StepHeader) -> list[int]:
+    """int32 lengths of the payload's parts, in `pack_step`'s order."""
+    t, b = h.tokens, h.rows
+    return [2 * t, 2 * t, 2 * t, 2 * max(h.logit_rows, 0), b, b, b + 1, b * h.table_width]
+
+
+def unpack_step(h: StepHeader, host: list[int], payload: torch.Tensor) -> ForwardInputs:
+    """`pack_step`'s inputs again, as views into `payload`."""
+    ids, pos, slots, rows, seq, pre, cu, table = payload.split(payload_size(h))
+    n = h.host_reqs
+    meta = AttentionMetadata(
+        is_decode=bool(h.is_decode),
+        seq_lens=seq,
+        prefix_lens=pre,
+        cu_query_lens=cu,
+        page_table=table.view(h.rows, h.table_width),
+        slot_mapping=slots.view(torch.long),
+        seq_lens_host=host[:n],
+        prefix_lens_host=host[n : 2 * n],
+        max_query_len=h.max_query_len,
+        max_seq_len=h.max_seq_len,
+    )
+    return ForwardInputs(
+        ids.view(torch.long),
+        pos.view(torch.long),
+        meta,
+        None if h.logit_rows < 0 else rows.view(torch.long),
+        None if h.graph_bs < 0 else h.graph_bs,
+        h.num_reqs,
+    )
+
+
+def control_message(header: StepHeader, body: list[int], length: int) -> torch.Tensor:
+    values = [*header, *body]
+    if len(values) > length:
+        raise ValueError(f"a tensor-parallel control message of {len(values)} ints exceeds its {length}")
+    return torch.tensor(values + [0] * (length - len(values)), dtype=torch.long)
 
 
 class TensorParallelError(RuntimeError):
@@ -108,8 +217,10 @@ class _Runtime:
         self.ctx = ctx
         self.procs = procs  # [(rank, Process)] spawned by this process
         self.timeout_s = config.dist_timeout_s
+        self.control_len = control_len(config.max_num_seqs)
         self.failed: str | None = None
         self.closed = False
+        self.announced = False  # rank 0 sent SHUTDOWN
 
     def dead_workers(self) -> list[str]:
         return [f"rank {r} (pid {p.pid}, exit code {p.exitcode})" for r, p in self.procs if p.exitcode is not None]
@@ -136,23 +247,50 @@ class _Runtime:
                 p.kill()
             p.join(5)
 
+    @property
+    def healthy(self) -> bool:
+        return self.failed is None and not self.closed and not self.dead_workers()
+
+    def announce_shutdown(self) -> bool:
+        """Rank 0: tell the workers to stop (once). True if they were told."""
+        if self.announced or self.ctx.rank != 0 or not self.healthy:
+            return self.announced
+        self.announced = True
+        try:
+            msg = control_message(StepHeader(SHUTDOWN), [], self.control_len)
+            work = dist.broadcast(msg, 0, group=self.ctx.control, async_op=True)
+            work.wait(timeout=datetime.timedelta(seconds=min(SHUTDOWN_GRACE_S, self.timeout_s)))
+            return True
+        except Exception:  # noqa: BLE001 - a peer already gone; it is killed in shutdown
+            return False
+
     def shutdown(self) -> None:
         global _RUNTIME
         if self.closed:
             return
+        told = self.announce_shutdown()
         self.closed = True
-        if self.ctx.rank == 0 and self.failed is None and not self.dead_workers():
-            try:
-                header = torch.zeros(HEADER_LEN, dtype=torch.long)
-                header[0] = SHUTDOWN
-                work = dist.broadcast(header, 0, group=self.ctx.control, async_op=True)
-                work.wait(timeout=datetime.timedelta(seconds=min(SHUTDOWN_GRACE_S, self.timeout_s)))
-            except Exception:  # noqa: BLE001, S110 - a peer already gone; kill below
-                pass
-        self.kill_workers(grace_s=SHUTDOWN_GRACE_S)
-        destroy_distributed()  # the workers are gone by now, so teardown cannot wait on them
+        if told:
+            # The workers tear their communicators down now too. Do it at the same time: NCCL's
+            # teardown (of buffers registered by captured collectives, say) may need the peers,
+            # so destroying only after the workers are gone could wait on them for ever. Bounded,
+            # so a stuck teardown cannot hang the caller.
+            if not _within(destroy_distributed, SHUTDOWN_GRACE_S):
+                log.warning("tensor parallel: tearing down the process groups took over %g s", SHUTDOWN_GRACE_S)
+            self.kill_workers(grace_s=SHUTDOWN_GRACE_S)
+        else:
+            self.kill_workers(grace_s=SHUTDOWN_GRACE_S)
+            destroy_distributed()  # the workers are gone by now, so teardown cannot wait on them
         if _RUNTIME is self:
             _RUNTIME = None
+
+
+def _within(fn, timeout_s: float) -> bool:
+    """Run fn in a daemon thread; True if it returned within timeout_s."""
+    thread = threading.Thread(target=fn, name="nanoserve-tp-teardown", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive()
 
 
 def init_tensor_parallel(config) -> TPGroup:
@@ -291,9 +429,6 @@ class TPModelRunner:
     def forward(self, batch, sample_rows) -> torch.Tensor:
         return self.execute(self.prepare(batch, sample_rows))
 
-    def shutdown(self) -> None:
-        self._finalizer()
-
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the worker ranks this process spawned."""
@@ -329,65 +464,59 @@ class TPModelRunner:
             raise
 
     def _broadcast(self, inputs: ForwardInputs, copies: list[tuple[int, int]]) -> None:
-        ctx = self._rt.ctx
-        meta = inputs.meta
-        rows = inputs.logit_rows
-        t, b = inputs.input_ids.numel(), meta.seq_lens.numel()
-        header = torch.tensor(
-            [EXECUTE, t, b, meta.page_table.shape[1], -1 if rows is None else rows.numel(), int(meta.is_decode),
-             meta.max_query_len, meta.max_seq_len, len(copies), inputs.num_reqs,
-             -1 if inputs.graph_bs is None else inputs.graph_bs, len(meta.seq_lens_host)],
-            dtype=torch.long,
-        )  # fmt: skip
-        ctx.wait(dist.broadcast(header, 0, group=ctx.control, async_op=True))
-        parts = [
-            inputs.input_ids, inputs.positions, meta.seq_lens, meta.prefix_lens, meta.cu_query_lens,
-            meta.page_table.reshape(-1), meta.slot_mapping,
-            *([] if rows is None else [rows]),
-            torch.tensor(copies, dtype=torch.long).reshape(-1).to(ctx.device),
-        ]  # fmt: skip
-        payload = torch.cat([p.to(device=ctx.device, dtype=torch.long) for p in parts])
+        """Page copies (if any), then the step: one control message and one payload."""
+        ctx, length = self._rt.ctx, self._rt.control_len
+        per_msg = (length - HEADER_LEN) // 2
+        for i in range(0, len(copies), per_msg):
+            chunk = copies[i : i + per_msg]
+            body = [x for pair in chunk for x in pair]
+            msg = control_message(StepHeader(COPY_PAGES, count=len(chunk)), body, length)
+            ctx.wait(dist.broadcast(msg, 0, group=ctx.control, async_op=True))
+        header, host, payload = pack_step(inputs)
+        msg = control_message(header, host, length)
+        ctx.wait(dist.broadcast(msg, 0, group=ctx.control, async_op=True))
         dist.broadcast(payload, 0)
+
+    def shutdown(self) -> None:
+        """Rank 0: stop the workers, then drop this rank's graphs while they drop theirs, then
+        end the groups (the finalizer, `_Runtime.shutdown`)."""
+        if self.rank == 0 and self._rt.announce_shutdown():
+            _release_graphs(self.local)
+        self._finalizer()
 
     # ---- ranks 1..N-1 ------------------------------------------------------------------
 
     def serve(self) -> None:
-        """Run broadcast steps until rank 0 says shut down (or its sockets close)."""
+        """Run broadcast steps until rank 0 says shut down (or its sockets close). Nothing
+        here reads device data on the host, so this loop runs ahead of the GPU."""
         ctx = self._rt.ctx
-        header = torch.zeros(HEADER_LEN, dtype=torch.long)
+        msg = torch.zeros(self._rt.control_len, dtype=torch.long)
         while True:
-            dist.broadcast(header, 0, group=ctx.control)  # idle wait: the control group's long timeout
-            cmd, t, b, pages, r, is_decode, max_q, max_s, n_copies, num_reqs, graph_bs, n_host = header.tolist()
-            if cmd == SHUTDOWN:
-                return
-            sizes = [t, t, b, b, b + 1, b * pages, t, max(r, 0), 2 * n_copies]
-            payload = torch.empty(sum(sizes), dtype=torch.long, device=ctx.device)
+            dist.broadcast(msg, 0, group=ctx.control)  # idle wait: the control group's long timeout
+            h = StepHeader(*msg[:HEADER_LEN].tolist())
+            if h.cmd == SHUTDOWN:
+                break
+            if h.cmd == COPY_PAGES:
+                pairs = msg[HEADER_LEN : HEADER_LEN + 2 * h.count].tolist()
+                for src, dst in zip(pairs[0::2], pairs[1::2]):
+                    self.local.kv_cache.copy_page(src, dst)
+                continue
+            host = msg[HEADER_LEN : HEADER_LEN + 2 * h.host_reqs].tolist()
+            payload = torch.empty(sum(payload_size(h)), dtype=torch.int32, device=ctx.device)
             dist.broadcast(payload, 0)
-            ids, pos, seq, pre, cu, table, slots, rows, copies = payload.split(sizes)
-            for src, dst in copies.view(-1, 2).tolist():
-                self.local.kv_cache.copy_page(src, dst)
-            host = torch.stack([seq[:n_host], pre[:n_host]]).tolist()
-            meta = AttentionMetadata(
-                is_decode=bool(is_decode),
-                seq_lens=seq.to(torch.int32),
-                prefix_lens=pre.to(torch.int32),
-                cu_query_lens=cu.to(torch.int32),
-                page_table=table.view(b, pages).to(torch.int32),
-                slot_mapping=slots.clone(),
-                seq_lens_host=host[0],
-                prefix_lens_host=host[1],
-                max_query_len=max_q,
-                max_seq_len=max_s,
-            )
-            inputs = ForwardInputs(
-                ids.clone(),
-                pos.clone(),
-                meta,
-                None if r < 0 else rows.clone(),
-                None if graph_bs < 0 else graph_bs,
-                num_reqs,
-            )
-            self.local.execute(inputs)
+            self.local.execute(unpack_step(h, host, payload))
+        _release_graphs(self.local)
+
+
+def _release_graphs(runner) -> None:
+    """Drop the runner's CUDA graphs (after its work is done), so that none that captured
+    a collective outlives the communicator, which is destroyed next."""
+    if runner.device.type != "cuda":
+        return
+    torch.cuda.synchronize(runner.device)
+    runner.graphs = None
+    if getattr(runner, "piecewise", None) is not None:
+        runner.piecewise = None
 
 
 def worker_main(config, rank: int, init_addr: str, parent_pid: int | None) -> None:

@@ -1,0 +1,205 @@
+"""What tensor parallelism's communication costs on this machine's GPUs (issue 7).
+
+    python benchmarks/tp_comm.py [--ranks 2] [--hidden 4096]
+
+One process per GPU, joined as the engine's ranks are (nanoserve.distributed.process_group:
+NCCL default group, gloo control group). It prints what one decode step pays, to decide
+how the step is sent and how the row-parallel sums are reduced:
+- the step's control message over gloo (what `TPModelRunner` sends), against the same ints
+  sent over NCCL and read on the worker's host (a device sync: the alternative design);
+- the step's NCCL payload broadcast (decode batch of 1 and of 256);
+- one all-reduce of [batch, hidden] inside a CUDA graph (64 per graph, as one llama-8b
+  step has), bf16 against fp32, and the eager all-reduce (host launch cost included);
+- the row-parallel matmul of llama-3.1-8b at TP=2 with a bf16 output (`linear`) against
+  an fp32 output (`linear_fp32_out`, what TP > 1 uses) plus its rounding to bf16;
+- torch's symmetric-memory one-shot all-reduce in a CUDA graph (only where NVLink multicast
+  is off: TORCH_SYMM_MEM_DISABLE_MULTICAST=1), a candidate for decode-sized sums; its sums
+  are checked.
+`--nccl-env NCCL_PROTO=LL,...` sets NCCL variables first, to compare its protocol choices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+STEP_REPS = 300
+GRAPH_OPS = 64  # all-reduces per captured graph: two per layer of a 32-layer model
+BATCHES = (1, 8, 64, 256)
+
+
+def _per_iter_us(fn, reps: int, device) -> float:
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / reps * 1e6
+
+
+def _graph_us(graph: torch.cuda.CUDAGraph, ops: int, device, reps: int = 20) -> float:
+    """Microseconds per op of a graph of `ops` ops, replayed `reps` times (median of 3)."""
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (reps * ops))
+    return sorted(times)[1]
+
+
+def rank_main(rank: int, world: int, addr: str, hidden: int) -> None:
+    from nanoserve.distributed.process_group import init_distributed
+    from nanoserve.distributed.tp_runner import control_len
+
+    device = torch.device(f"cuda:{rank}")
+    ctx = init_distributed(rank, world, rank, addr, device, timeout_s=120)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(
+        f"{world} ranks, {torch.cuda.get_device_name(device)}, torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}"
+    )
+
+    # ---- the step's control message ------------------------------------------------------
+    n = control_len(256)
+    msg = torch.zeros(n, dtype=torch.long)
+
+    def gloo_control():
+        if rank == 0:
+            ctx.wait(dist.broadcast(msg, 0, group=ctx.control, async_op=True))
+        else:
+            dist.broadcast(msg, 0, group=ctx.control)
+            msg[:12].tolist()
+
+    dev_msg = torch.zeros(n, dtype=torch.long, device=device)
+    values = list(range(n))
+
+    def nccl_control():
+        if rank == 0:
+            dist.broadcast(torch.tensor(values).to(device, non_blocking=True), 0)
+        else:
+            dist.broadcast(dev_msg, 0)
+            dev_msg[:12].tolist()  # the worker must read it on the host: a device sync
+
+    for name, fn in (("gloo control message", gloo_control), ("NCCL control message + host read", nccl_control)):
+        fn()
+        us = _per_iter_us(fn, STEP_REPS, device)
+        say(f"{name} ({n} ints): {us:.1f} us per step (rank 0)")
+
+    # ---- the step's payload --------------------------------------------------------------
+    for bs, width in ((1, 16), (256, 128)):
+        payload = torch.zeros(6 * bs + 3 * bs + 1 + bs * width, dtype=torch.int32, device=device)
+        us = _per_iter_us(lambda p=payload: dist.broadcast(p, 0), STEP_REPS, device)
+        say(f"NCCL payload broadcast, decode batch {bs} ({payload.numel()} int32): {us:.1f} us per step")
+
+    # ---- all-reduce in a CUDA graph, bf16 vs fp32 -------------------------------------------
+    for bs in BATCHES:
+        row = []
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.zeros(bs, hidden, dtype=dtype, device=device)
+            dist.all_reduce(x)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(GRAPH_OPS):
+                    dist.all_reduce(x)
+            row.append(_graph_us(graph, GRAPH_OPS, device))
+        say(f"all-reduce in a graph, [{bs}, {hidden}]: bf16 {row[0]:.1f} us, fp32 {row[1]:.1f} us")
+    x = torch.zeros(1, hidden, dtype=torch.bfloat16, device=device)
+    us = _per_iter_us(lambda: dist.all_reduce(x), STEP_REPS, device)
+    say(f"all-reduce eager, [1, {hidden}] bf16: {us:.1f} us per call (host launch included)")
+
+    # ---- row-parallel matmul output dtype (rank 0 only) ---------------------------------------
+    dist.barrier()
+    if rank == 0:
+        _matmuls(device, hidden)
+    dist.barrier()
+    _symm_mem_all_reduce(device, hidden, say)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _symm_mem_all_reduce(device, hidden: int, say) -> None:
+    """torch's symmetric-memory one-shot all-reduce (peer-to-peer loads over NVLink, no
+    multicast) inside a CUDA graph: a candidate to replace NCCL for decode-sized sums."""
+    if os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") != "1":
+        say("symmetric-memory all-reduce: skipped (TORCH_SYMM_MEM_DISABLE_MULTICAST is not 1)")
+        return
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = dist.group.WORLD
+        for bs in BATCHES:
+            row = []
+            for dtype in (torch.bfloat16, torch.float32):
+                buf = symm_mem.empty(bs, hidden, dtype=dtype, device=device).fill_(dist.get_rank() + 1)
+                symm_mem.rendezvous(buf, group)
+                total = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name)
+                want = dist.get_world_size() * (dist.get_world_size() + 1) / 2
+                if not bool((total == want).all()):
+                    raise RuntimeError(f"one-shot all-reduce gave {total.flatten()[:4].tolist()}, want {want}")
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(GRAPH_OPS):
+                        torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name)
+                row.append(_graph_us(graph, GRAPH_OPS, device))
+            say(
+                f"symmetric-memory one-shot all-reduce in a graph, [{bs}, {hidden}]: bf16 {row[0]:.1f} us, "
+                f"fp32 {row[1]:.1f} us (sums checked)"
+            )
+    except Exception as exc:  # noqa: BLE001 - a measurement of an option, not needed by the engine
+        say(f"symmetric-memory all-reduce: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+
+
+def _matmuls(device, hidden: int) -> None:
+    from nanoserve.models.layers import linear, linear_fp32_out
+
+    for name, k in (("o_proj", hidden // 2), ("down_proj", 14336 // 2)):
+        copies = max(2, (256 << 20) // (hidden * k * 2))  # weights streamed from memory, not L2
+        weights = [torch.randn(hidden, k, device=device, dtype=torch.bfloat16) / 64 for _ in range(copies)]
+        for bs in BATCHES:
+            x = torch.randn(bs, k, device=device, dtype=torch.bfloat16)
+            row = []
+            for fn in (linear, linear_fp32_out, lambda x, w: linear_fp32_out(x, w).bfloat16()):
+                for w in weights[:2]:
+                    fn(x, w)  # warm-up: Triton JIT, cuBLAS handles
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for w in weights:
+                        fn(x, w)
+                row.append(_graph_us(graph, len(weights), device))
+            print(
+                f"{name} [{bs}, {k}] x [{hidden}, {k}]^T: bf16 out {row[0]:.1f} us, fp32 out {row[1]:.1f} us, "
+                f"fp32 out + round {row[2]:.1f} us"
+            )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--nccl-env", default="", help="KEY=VALUE,... set before NCCL starts (e.g. NCCL_PROTO=LL)")
+    args = ap.parse_args()
+    for item in filter(None, args.nccl_env.split(",")):
+        key, _, value = item.partition("=")
+        os.environ[key] = value
+    from nanoserve.distributed.process_group import free_port
+
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    mp.spawn(rank_main, args=(args.ranks, f"127.0.0.1:{free_port()}", args.hidden), nprocs=args.ranks, join=True)
+
+
+if __name__ == "__main__":
+    main()
