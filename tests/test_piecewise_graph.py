@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig, add_engine_args, engine_config_from_args
 from nanoserve.engine.piecewise_graph import PiecewiseGraphs, largest_winning_size, piecewise_sizes
+from nanoserve.kvcache.pool import PageTable
 from nanoserve.models.layers import rms_norm_plain, rope_plain
 from nanoserve.scheduler.request import Request
 from nanoserve.scheduler.scheduler import ScheduledBatch
@@ -89,13 +90,15 @@ def make_batch(lengths: list[int], prefixes: list[int], page_size: int, seed: in
     on distinct pages starting at page 1 (page 0 is the reserved one)."""
     rng = random.Random(seed)
     requests, next_page = [], 1
+    table = PageTable(len(lengths), max(-(-(pre + n) // page_size) for n, pre in zip(lengths, prefixes)))
     for r, (n, pre) in enumerate(zip(lengths, prefixes)):
         total = pre + n
         pages = list(range(next_page, next_page + -(-total // page_size)))
         next_page += len(pages)
         ids = [rng.randrange(VOCAB) for _ in range(total)]
         requests.append(Request(str(r), SamplingParams(), total, ids, arrival=r, num_computed=pre, pages=pages, slot=r))
-    return ScheduledBatch(requests, list(lengths), is_decode=False)
+        table.assign(r, pages)
+    return ScheduledBatch(requests, list(lengths), is_decode=False, page_table=table)
 
 
 def reference_hidden(model, input_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:

@@ -143,7 +143,7 @@ class ModelRunner:
         slots = np.array([r.slot for r in reqs], dtype=np.int64)
         max_seq = int(prefix.max()) + 1
         width = -(-max_seq // ps)
-        rows, row_of = _table_rows(batch, slots, width)
+        rows = batch.page_table.rows  # indexed by slot
         graph_bs = self.graphs.padded_size(n) if self.graphs is not None else None
         bs = n if graph_bs is None else graph_bs
         layout = decode_layout(bs, width)
@@ -151,14 +151,14 @@ class ModelRunner:
         ids = h["input_ids"]
         ids[:n] = [r.token_ids[-1] for r in reqs]
         h["positions"][:n] = prefix
-        h["slot_mapping"][:n] = rows[row_of, prefix // ps].astype(np.int64) * ps + prefix % ps
+        h["slot_mapping"][:n] = rows[slots, prefix // ps].astype(np.int64) * ps + prefix % ps
         h["req_slots"][:n] = slots
         h["pool_index"][:n] = slots
         h["seq_lens"][:n] = prefix + 1
         h["prefix_lens"][:n] = prefix
         h["cu_query_lens"][:] = np.arange(bs + 1)
         table = h["page_table"].reshape(bs, width)
-        table[:n] = rows[row_of, :width]
+        table[:n] = rows[slots, :width]
         if bs > n:  # padding rows: token 0 at position 0, length 0, KV write to slot 0
             for name in _PER_ROW_FIELDS:
                 h[name][n:] = 0
@@ -202,7 +202,7 @@ class ModelRunner:
         total = int(cu[-1])
         max_seq = int(seq.max())
         width = -(-max_seq // ps)
-        rows, row_of = _table_rows(batch, slots, width)
+        rows = batch.page_table.rows  # indexed by slot
         all_rows = len(sample_rows) == n and total == n
         num_rows = 0 if all_rows else len(sample_rows)
         layout = PackedLayout(
@@ -217,7 +217,7 @@ class ModelRunner:
         ids[:] = flat
         positions = np.arange(total) + np.repeat(prefix - cu[:-1], qlens)
         h["positions"][:] = positions
-        h["slot_mapping"][:] = rows[np.repeat(row_of, qlens), positions // ps].astype(np.int64) * ps + positions % ps
+        h["slot_mapping"][:] = rows[np.repeat(slots, qlens), positions // ps].astype(np.int64) * ps + positions % ps
         h["req_slots"][:] = slots
         h["pool_index"][:] = np.repeat(slots, qlens)
         if not all_rows:
@@ -225,7 +225,7 @@ class ModelRunner:
         h["seq_lens"][:] = seq
         h["prefix_lens"][:] = prefix
         h["cu_query_lens"][:] = cu
-        h["page_table"].reshape(n, width)[:] = rows[row_of, :width]
+        h["page_table"].reshape(n, width)[:] = rows[slots, :width]
         pending = ids < 0
         d = layout.torch_views(self._to_device(host))
         self._resolve_pending(d, pending)
@@ -293,18 +293,6 @@ class ModelRunner:
 
 # The fields of a decode step with one entry per row (cu_query_lens and the table aside).
 _PER_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "req_slots", "pool_index", "seq_lens", "prefix_lens")
-
-
-def _table_rows(batch: ScheduledBatch, slots: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """(page-table rows, row of each request in them): the scheduler's table and the slots,
-    or, for a batch built by hand without one, rows made from the requests' page lists."""
-    if batch.page_table is not None:
-        return batch.page_table.rows, slots
-    reqs = batch.requests
-    rows = np.zeros((len(reqs), max(width, max(len(r.pages) for r in reqs))), dtype=np.int32)
-    for i, req in enumerate(reqs):
-        rows[i, : len(req.pages)] = req.pages
-    return rows, np.arange(len(reqs))
 
 
 @dataclass

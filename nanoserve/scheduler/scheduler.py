@@ -57,9 +57,7 @@ class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]  # tokens computed this step, per request
     is_decode: bool
-    # The scheduler's slot -> pages table, current until the scheduler's next change; None
-    # for a batch built by hand (tests): the runner then reads each request's `pages`.
-    page_table: PageTable | None = None
+    page_table: PageTable  # the scheduler's slot -> pages table, current until its next change
 
     @property
     def num_tokens(self) -> int:
