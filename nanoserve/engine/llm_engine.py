@@ -160,7 +160,7 @@ class LLMEngine:
         self.scheduler.add(req)
 
     def _set_stop_filter(self, req: Request) -> None:
-        """What `_process` checks per token before asking `_stop_reason` (see Request)."""
+        """The stopping rules `_stop_reason` checks per token, gathered once per request."""
         p = req.params
         stop_len = self.max_model_len
         if p.max_tokens is not None:
@@ -285,13 +285,11 @@ class LLMEngine:
                 req.token_ids[pos] = token
                 if lp is not None:
                     req.logprobs = (req.logprobs or []) + [lp]
-                # Cheap filter first: most tokens stop nothing (Request.stop_len / stop_ids).
-                if pos + 1 >= req.stop_len or (req.stop_ids is not None and token in req.stop_ids):
-                    reason = self._stop_reason(req, token, pos + 1)
-                    if reason is not None:
-                        self._finish(req, reason)
-                        updates.append(self._update(req))
-                        continue
+                reason = self._stop_reason(req, token, pos + 1)
+                if reason is not None:
+                    self._finish(req, reason)
+                    updates.append(self._update(req))
+                    continue
                 if req.stream:
                     updates.append(self._update(req))
         for req in record.deferred:
@@ -349,18 +347,13 @@ class LLMEngine:
             return req.sample_row
         return SampleRow(req.params, req.generator, req.token_ids[: req.prompt_len], req.output_token_ids)
 
-    def _stop_reason(self, req: Request, token: int, length: int) -> str | None:
-        """Why `req` stops after `token`, its token number `length` (prompt included)."""
-        p = req.params
-        n_out = length - req.prompt_len
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.model_config.eos_token_ids:
-                return "stop"
-            if p.stop_token_ids and token in p.stop_token_ids:
-                return "stop"
-        if p.max_tokens is not None and n_out >= p.max_tokens:
-            return "length"
-        if length >= self.max_model_len:
+    @staticmethod
+    def _stop_reason(req: Request, token: int, length: int) -> str | None:
+        """Why `req` stops after `token`, its token number `length` (prompt included), by the
+        rules `_set_stop_filter` gathered: a stop id once min_tokens are out, or the length."""
+        if req.stop_ids is not None and token in req.stop_ids and length - req.prompt_len >= req.params.min_tokens:
+            return "stop"
+        if length >= req.stop_len:
             return "length"
         return None
 

@@ -53,9 +53,9 @@ class Request:
     reserved_slots: list[int] = field(default_factory=list)  # slots held for the n-1 forks
     prefix_node: object | None = None  # locked radix-cache node, if any
     stream: bool = True  # report every step's tokens; False: report once, when finished
-    # Per-token stop filter set by the engine at admission: a token may stop the request
-    # only if its length reaches stop_len (max_tokens or max_model_len) or it is in
-    # stop_ids (EOS unless ignored, stop_token_ids; min_tokens is checked afterwards).
+    # Stopping rules set by the engine at admission: the request stops when its length
+    # reaches stop_len (max_tokens or max_model_len), or at a token in stop_ids (EOS unless
+    # ignored, stop_token_ids) once min_tokens are out.
     stop_len: int = 2**62
     stop_ids: frozenset[int] | None = None
     sample_row: object | None = None  # the sampler's row, cached when it never changes (no penalties)
