@@ -11,7 +11,7 @@ how the step is sent and how the row-parallel sums are reduced:
 - one all-reduce of [batch, hidden] inside a CUDA graph (64 per graph, as one llama-8b
   step has), bf16 against fp32, and the eager all-reduce (host launch cost included);
 - the row-parallel matmul of llama-3.1-8b at TP=2 with a bf16 output (`linear`) against
-  an fp32 output (`linear_fp32_out`, what TP > 1 uses) plus its rounding to bf16;
+  an fp32 output (`linear(..., fp32_out=True)`, what TP > 1 uses) plus its rounding to bf16;
 - torch's symmetric-memory one-shot all-reduce in a CUDA graph (only where NVLink multicast
   is off: TORCH_SYMM_MEM_DISABLE_MULTICAST=1), a candidate for decode-sized sums; its sums
   are checked.
@@ -163,7 +163,10 @@ def _symm_mem_all_reduce(device, hidden: int, say) -> None:
 
 
 def _matmuls(device, hidden: int) -> None:
-    from nanoserve.models.layers import linear, linear_fp32_out
+    from nanoserve.models.layers import linear
+
+    def linear_fp32(x, w):
+        return linear(x, w, fp32_out=True)
 
     for name, k in (("o_proj", hidden // 2), ("down_proj", 14336 // 2)):
         copies = max(2, (256 << 20) // (hidden * k * 2))  # weights streamed from memory, not L2
@@ -171,7 +174,7 @@ def _matmuls(device, hidden: int) -> None:
         for bs in BATCHES:
             x = torch.randn(bs, k, device=device, dtype=torch.bfloat16)
             row = []
-            for fn in (linear, linear_fp32_out, lambda x, w: linear_fp32_out(x, w).bfloat16()):
+            for fn in (linear, linear_fp32, lambda x, w: linear_fp32(x, w).bfloat16()):
                 for w in weights[:2]:
                     fn(x, w)  # warm-up: Triton JIT, cuBLAS handles
                 torch.cuda.synchronize(device)

@@ -283,14 +283,14 @@ def test_fp32_partial_sums_round_like_tp1():
     """Two ranks' row-parallel partials of a bf16 matmul: kept in fp32 and rounded once
     after the sum (what RowParallelLinear does at TP > 1), they equal TP=1's single bf16
     matmul far more often than bf16 partials summed in bf16."""
-    from nanoserve.models.layers import linear_fp32_out
+    from nanoserve.models.layers import linear
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 512, generator=g).bfloat16()
     w = (torch.randn(256, 512, generator=g) / 16).bfloat16()
     tp1 = torch.nn.functional.linear(x, w)
     halves = [(x[:, :256], w[:, :256]), (x[:, 256:], w[:, 256:])]
-    partials = [linear_fp32_out(xp, wp) for xp, wp in halves]
+    partials = [linear(xp, wp, fp32_out=True) for xp, wp in halves]
     assert all(p.dtype == torch.float32 for p in partials)
     fp32_path = (partials[0] + partials[1]).bfloat16()
     bf16_path = sum(torch.nn.functional.linear(xp, wp) for xp, wp in halves)
@@ -331,11 +331,11 @@ def test_small_m_linear_writes_fp32_partials(m):
 @pytest.mark.parametrize("m", [1, 4, 64, 300])
 @pytest.mark.parametrize(("n", "k"), [(4096, 2048), (4096, 7168)])  # llama-3.1-8b o_proj, down_proj at TP=2
 def test_linear_fp32_out_on_gpu(m, n, k):
-    """linear_fp32_out on CUDA (Triton small-M kernel for decode sizes, cuBLAS with an fp32
-    output above) against the exact product: fp32 accuracy, no bf16 rounding."""
-    from nanoserve.models.layers import linear_fp32_out
+    """linear(..., fp32_out=True) on CUDA (Triton small-M kernel for decode sizes, cuBLAS
+    with an fp32 output above) against the exact product: fp32 accuracy, no bf16 rounding."""
+    from nanoserve.models.layers import linear
 
-    assert _fp32_out_error(m, n, k, "cuda", linear_fp32_out) < 1e-5
+    assert _fp32_out_error(m, n, k, "cuda", lambda x, w: linear(x, w, fp32_out=True)) < 1e-5
 
 
 # ---- GPUs: decode CUDA graphs under TP (run with `pytest -m gpu tests/test_tp.py`) -------------

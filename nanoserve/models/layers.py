@@ -89,18 +89,32 @@ def triton_ops():
     return _ops
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or on CUDA the Triton small-M kernel where `triton_ops.linear_config`
-    says it beats cuBLAS for this shape (decode batches of a few tokens)."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp32_out: bool = False
+) -> torch.Tensor:
+    """x W^T (+ b) in x's dtype, or with `fp32_out` in fp32, accumulated in fp32 and never
+    rounded to x's dtype. On CUDA the Triton small-M kernel runs where
+    `triton_ops.linear_config` says it beats cuBLAS for this shape (decode batches of a few
+    tokens); otherwise F.linear, or for fp32_out cuBLAS with an fp32 output
+    (`torch.mm(..., out_dtype)`), or on CPU (the slow twin) the matmul of fp32 copies."""
+    fp32_out = fp32_out and x.dtype != torch.float32
+    k, n = x.shape[-1], weight.shape[0]
+    rows = x.numel() // k if k else 0
     if TRITON_OPS and x.is_cuda and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(1) == 1:
         ops = triton_ops()
-        k = x.shape[-1]
-        rows = x.numel() // k if k else 0
-        config = ops.linear_config(rows, weight.shape[0], k, x.dtype)
+        config = ops.linear_config(rows, n, k, x.dtype)
         if config is not None:
-            out = ops.small_m_linear(x.reshape(rows, k), weight, bias, config)
-            return out.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+            out = torch.empty(rows, n, dtype=torch.float32 if fp32_out else x.dtype, device=x.device)
+            ops.small_m_linear(x.reshape(rows, k), weight, bias, config, out=out)
+            return out.view(*x.shape[:-1], n)
+    if not fp32_out:
+        return F.linear(x, weight, bias)
+    if not x.is_cuda:
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    out = torch.mm(x.reshape(rows, k), weight.t(), torch.float32)
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], n)
 
 
 rms_norm = fused(rms_norm_plain)
@@ -259,29 +273,8 @@ class RowParallelLinear(nn.Module):
             # TP=N greedy outputs then part from TP=1's within a few tokens. So the partials
             # stay fp32 through the all-reduce and are rounded once (decode messages are a few
             # KiB: fp32 costs latency only marginally).
-            out = self.tp.all_reduce(linear_fp32_out(x, self.weight)).to(x.dtype)
+            out = self.tp.all_reduce(linear(x, self.weight, fp32_out=True)).to(x.dtype)
         return out if self.bias is None else out + self.bias
-
-
-def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T in fp32 (fp32 accumulation, no rounding to x's dtype). On CUDA: the Triton
-    small-M kernel writing fp32 where its rule picks it, else cuBLAS with an fp32 output
-    (`torch.mm(..., out_dtype)`); elsewhere (the slow twin) the matmul of fp32 copies."""
-    if x.dtype == torch.float32:
-        return linear(x, weight)
-    k, n = x.shape[-1], weight.shape[0]
-    rows = x.numel() // k if k else 0
-    x2 = x.reshape(rows, k)
-    if not x.is_cuda:
-        return F.linear(x2.float(), weight.float()).view(*x.shape[:-1], n)
-    dense = x.dtype == weight.dtype and x2.stride(-1) == 1 and weight.stride(1) == 1
-    config = triton_ops().linear_config(rows, n, k, x.dtype) if TRITON_OPS and dense else None
-    if config is not None:
-        out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
-        triton_ops().small_m_linear(x2, weight, None, config, out=out)
-    else:
-        out = torch.mm(x2, weight.t(), torch.float32)
-    return out.view(*x.shape[:-1], n)
 
 
 class VocabParallelEmbedding(nn.Module):
