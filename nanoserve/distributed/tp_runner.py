@@ -514,9 +514,7 @@ def _release_graphs(runner) -> None:
     if runner.device.type != "cuda":
         return
     torch.cuda.synchronize(runner.device)
-    runner.graphs = None
-    if getattr(runner, "piecewise", None) is not None:
-        runner.piecewise = None
+    runner.graphs = runner.piecewise = None
 
 
 def worker_main(config, rank: int, init_addr: str, parent_pid: int | None) -> None:

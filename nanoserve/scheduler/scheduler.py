@@ -276,7 +276,7 @@ class Scheduler:
             if req.status is not Status.RUNNING:  # O(1), unlike `req in self.running`
                 continue  # preempted while making room for an older request
             while not self._ensure_free_pages(1):
-                victim = max(self.running, key=lambda r: r.arrival)
+                victim = max(self.running, key=_by_arrival)
                 self.preempt(victim)
                 batch.remove(victim)
                 if victim is req:
