@@ -122,13 +122,15 @@ def run_mode(args: argparse.Namespace, cache_on: bool) -> list[dict]:
                 "seconds": elapsed,
                 "output_tok_s": counts["output"] / elapsed,
                 "preemptions": after["num_preemptions"] - before["num_preemptions"],
+                "cascade_steps": after["cascade_decode_steps"] - before["cascade_decode_steps"],
                 "kv_tokens": after["kv_pages_total"] * after["page_size"],
             }
         )
         r = results[-1]
         print(
             f"{name:>7} cache {r['cache']:>3}: prefill {r['prefill_tokens']}/{r['prompt_tokens']} tokens, "
-            f"hit rate {r['hit_rate']:.1%}, {r['output_tok_s']:.1f} output tok/s, {elapsed:.2f} s",
+            f"hit rate {r['hit_rate']:.1%}, {r['output_tok_s']:.1f} output tok/s, {elapsed:.2f} s, "
+            f"{r['cascade_steps']} cascade decode steps",
             flush=True,
         )
     return results

@@ -39,6 +39,9 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_max_bs: int | None = None  # largest decode batch run by a CUDA graph; default from GPU memory
     piecewise_cuda_graphs: bool = True  # CUDA: prefill/extend batches replay graphs between attention calls
+    # Triton backend: decode reads a prefix shared by several running requests once per step
+    # (nanoserve.attention.cascade); needs the prefix cache, off under tensor parallelism.
+    cascade_attention: bool = True
     overlap_schedule: bool = True  # CUDA: schedule step N+1 while the GPU runs step N
     tensor_parallel_size: int = 1
     # Multi-host tensor parallelism: the ranks are split evenly over `nnodes` hosts; every
@@ -115,6 +118,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--cuda-graph-max-bs", type=int, default=None, help="0: no decode CUDA graphs")
     g.add_argument("--no-piecewise-graphs", action="store_true", help="prefill/extend batches always run eagerly")
+    g.add_argument("--no-cascade", action="store_true", help="decode reads shared prefixes once per request")
     g.add_argument("--no-overlap", action="store_true", help="simple loop: process each step's results before the next")
     g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     g.add_argument("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks span")
@@ -143,6 +147,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         piecewise_cuda_graphs=not getattr(args, "no_piecewise_graphs", False),
+        cascade_attention=not getattr(args, "no_cascade", False),
         overlap_schedule=not getattr(args, "no_overlap", False),
         tensor_parallel_size=args.tp,
         nnodes=args.nnodes,

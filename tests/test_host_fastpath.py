@@ -73,6 +73,7 @@ def reference_prepare(runner, batch, sample_rows) -> dict:
         "prefix_lens_host": prefix_lens,
         "max_query_len": max(batch.num_new_tokens),
         "max_seq_len": max(seq_lens),
+        "cascade": None,  # the torch backend: no cascade plan (tests/test_cascade.py covers it)
         "graph_bs": graph_bs,
         "num_reqs": num_reqs,
         "req_slots": torch.tensor([r.slot for r in batch.requests]),
@@ -129,30 +130,31 @@ def check_every_prepare(llm: LLM) -> dict:
 
 
 class _EagerGraph:
-    """Stands in for the captured graph of size bs: runs the eager forward on the static
-    inputs (what the graph captured) and writes the static output."""
+    """Stands in for the captured graph of size bs (with cascade kernels or not): runs the
+    eager forward on the static inputs (what the graph captured) and writes the static output."""
 
-    def __init__(self, graphs: DecodeGraphs, bs: int):
-        self.graphs, self.bs = graphs, bs
+    def __init__(self, graphs: DecodeGraphs, bs: int, cascade: bool):
+        self.graphs, self.bs, self.cascade = graphs, bs, cascade
 
     def replay(self) -> None:
         g = self.graphs
-        inputs = g._static_inputs(self.bs)
+        inputs = g._static_inputs(self.bs, self.cascade)
         # The torch backend counts a row's queries as seq_len - prefix_len; a padding row
         # (length 0) still holds one query in a decode batch: prefix -1 says so (a real
         # decode row has prefix == seq_len - 1 already).
         inputs.meta = dataclasses.replace(inputs.meta, prefix_lens=inputs.meta.seq_lens - 1)
-        g.outputs[self.bs].copy_(g.runner.forward_logits(inputs))
+        g.outputs[(self.bs, self.cascade)].copy_(g.runner.forward_logits(inputs))
 
 
 def emulate_graphs(llm: LLM, max_bs: int) -> DecodeGraphs:
     runner = llm.engine.runner
-    g = DecodeGraphs(runner, max_bs, llm.engine.max_model_len)
+    g = DecodeGraphs(runner, max_bs, llm.engine.max_model_len, cascade=runner.cascade_members > 0)
     for bs in g.sizes:
-        with torch.inference_mode():  # as in `capture`: views made there are inference views
-            g.views(bs)
-        g.graphs[bs] = _EagerGraph(g, bs)
-        g.outputs[bs] = torch.zeros(bs, runner.model.config.vocab_size)
+        for cascade in (False, True) if g.has_cascade(bs) else (False,):
+            with torch.inference_mode():  # as in `capture`: views made there are inference views
+                g.views(bs, cascade)
+            g.graphs[(bs, cascade)] = _EagerGraph(g, bs, cascade)
+            g.outputs[(bs, cascade)] = torch.zeros(bs, runner.model.config.vocab_size)
     runner.graphs = g
     return g
 

@@ -14,7 +14,9 @@ Invariants of a batch's metadata (B requests, T new tokens in all):
 - the K/V of position p of request i lives in cache slot
   page_table[i, p // page_size] * page_size + p % page_size; slot_mapping[t] is that slot
   for the t-th new token, and the backend writes the new K/V there before attending;
-- in a decode batch every request has exactly one new token (T == B).
+- in a decode batch every request has exactly one new token (T == B);
+- `cascade` (decode only, optional) groups requests that share a prefix of pages; it
+  changes how attention is computed, never its result (see nanoserve.attention.cascade).
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class CascadeInputs:
+    """Device side of a `nanoserve.attention.cascade.CascadePlan` (int32 tensors)."""
+
+    prefix_len: torch.Tensor  # [B] positions of request b read by its group's prefix pass (0: none)
+    num_parts: torch.Tensor  # [B] partial results the prefix pass gives request b
+    members: torch.Tensor  # [B] batch rows, each group's members contiguous
+    items: torch.Tensor  # [W, len(ITEM_FIELDS)] work items; unused ones have count 0
 
 
 @dataclass
@@ -39,6 +51,7 @@ class AttentionMetadata:
     prefix_lens_host: list[int]
     max_query_len: int
     max_seq_len: int
+    cascade: CascadeInputs | None = None
 
     @property
     def num_requests(self) -> int:

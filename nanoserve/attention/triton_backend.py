@@ -1,7 +1,8 @@
 """Triton attention backend: the fast path on CUDA (kernels in triton_kernels.py).
 
-Owns: the choice of kernel per batch (decode, extend with prefix, FA2 for prefix-free
-prefill), the decode split count, and the decode workspace.
+Owns: the choice of kernel per batch (decode, cascade decode when the metadata carries a
+cascade plan, extend with prefix, FA2 for prefix-free prefill), the decode split count, and
+the decode workspace.
 
 Invariants:
 - `prepare(meta)` reads host ints only (batch size, max lengths, whether any prefix exists)
@@ -21,6 +22,7 @@ import torch
 
 from nanoserve.attention import triton_kernels as tk
 from nanoserve.attention.base import AttentionBackend, AttentionMetadata
+from nanoserve.attention.cascade import MAX_CASCADE_PARTS
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -62,15 +64,39 @@ class TritonAttentionBackend(AttentionBackend):
         self._no_prefix = not any(meta.prefix_lens_host)
 
     def reserve_decode_workspace(
-        self, max_batch: int, num_q_heads: int, head_dim: int, num_kv_heads: int, max_seq_len: int, device
+        self,
+        max_batch: int,
+        num_q_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        device,
+        cascade: bool = False,
     ) -> None:
-        """Allocate the decode workspace for the largest batch/length before graph capture."""
+        """Allocate the decode workspace for the largest batch/length before graph capture
+        (with `cascade`, room for the cascade prefix kernel's partial results too)."""
         worst = 0
         for batch in range(1, max_batch + 1):
             splits = self.decode_num_splits(batch, num_kv_heads, max_seq_len, torch.device(device))
-            if splits > 1:
-                worst = max(worst, tk.workspace_numel(batch, num_q_heads, head_dim, splits))
+            cols = self.decode_num_cols(splits, cascade)
+            if cols > 1:
+                worst = max(worst, tk.workspace_numel(batch, num_q_heads, head_dim, cols))
         self._get_workspace(worst, torch.device(device))
+
+    @staticmethod
+    def decode_num_cols(num_splits: int, cascade: bool) -> int:
+        """Partial results per (request, head): the splits', then the cascade parts'."""
+        return num_splits + (MAX_CASCADE_PARTS if cascade else 0)
+
+    @staticmethod
+    def cascade_max_members(group: int) -> int:
+        """Requests one cascade work item serves, for `group` query heads per kv head."""
+        return tk.cascade_max_members(group)
+
+    def cascade_target_items(self, num_kv_heads: int, device: torch.device) -> int:
+        """Cascade work items that fill the GPU: about 4 (item, kv head) programs per
+        multiprocessor, as for the decode splits."""
+        return max(1, 4 * self.num_sms(device) // num_kv_heads)
 
     def _get_workspace(self, numel: int, device: torch.device) -> torch.Tensor:
         ws = self._workspace
@@ -94,13 +120,25 @@ class TritonAttentionBackend(AttentionBackend):
             batch, num_q_heads, head_dim = q.shape
             num_kv_heads = k_cache.shape[2]
             splits = self.decode_num_splits(batch, num_kv_heads, meta.max_seq_len, q.device)
+            cols = self.decode_num_cols(splits, meta.cascade is not None)
             ws = None
-            if splits > 1:
-                ws = self._get_workspace(tk.workspace_numel(batch, num_q_heads, head_dim, splits), q.device)
-            return tk.paged_decode(q, k_cache, v_cache, meta.page_table, meta.seq_lens, scale, splits, ws, out)
+            if cols > 1:
+                ws = self._get_workspace(tk.workspace_numel(batch, num_q_heads, head_dim, cols), q.device)
+            return tk.paged_decode(
+                q, k_cache, v_cache, meta.page_table, meta.seq_lens, scale, splits, ws, out, meta.cascade
+            )
         return tk.paged_extend(
-            q, k, v, k_cache, v_cache, meta.cu_query_lens, meta.prefix_lens, meta.page_table,
-            meta.max_query_len, scale, out,
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            meta.cu_query_lens,
+            meta.prefix_lens,
+            meta.page_table,
+            meta.max_query_len,
+            scale,
+            out,
         )
 
 

@@ -29,6 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.attention.base import CascadeInputs
+from nanoserve.attention.cascade import ITEM_FIELDS, MAX_CASCADE_PARTS
+
 LOG2E = 1.4426950408889634
 
 # Triton's interpreter runs each program in numpy: small blocks keep CPU tests fast and make
@@ -44,6 +47,9 @@ EXTEND_CONFIG: dict[int, dict[str, int]] = {
     256: {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
 }
 INTERPRET_DECODE_CONFIG: dict[str, int] = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+# The cascade prefix kernel: BLOCK_M query rows = members x query heads per kv head. Untuned.
+CASCADE_CONFIG: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+INTERPRET_CASCADE_CONFIG: dict[str, int] = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 INTERPRET_EXTEND_CONFIG: dict[str, int] = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 # Triton 3.9's interpreter computes bf16 tl.dot wrongly (fp16 and fp32 are right): under the
 # interpreter the kernels upcast dot operands to fp32. Compiled kernels never do.
@@ -158,27 +164,30 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constex
 # Ints that vary from batch to batch (page-table width, block counts) are not specialized:
 # Triton would otherwise compile a variant per value class (== 1, divisible by 16) while the
 # engine is serving.
-@triton.jit(do_not_specialize=["stride_pt", "num_splits"])
+@triton.jit(do_not_specialize=["stride_pt", "num_splits", "num_cols"])
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, kv_start_ptr,
     out_ptr, part_ptr, lse_ptr,
     stride_qt, stride_qh,
     stride_kc_slot, stride_vc_slot,
     stride_pt,
     stride_ot, stride_oh,
-    num_splits, scale_log2,
+    num_splits, num_cols, scale_log2,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_SPLIT: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, DIRECT: tl.constexpr, HAS_START: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # One program = one (request, kv head, split): the GROUP query heads sharing the kv head
     # are the rows of one tile, so each K/V block is loaded once for the whole group.
+    # With HAS_START (cascade), a request's positions before kv_start[b] are another
+    # kernel's (its group's shared prefix): the splits cover kv_start[b]..seq_len only.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
-    start = split * split_len
+    kv_start = tl.load(kv_start_ptr + b) if HAS_START else 0
+    split_len = _split_len(seq_len - kv_start, num_splits, BLOCK_N, MIN_SPLIT)
+    start = kv_start + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     # An empty split (start >= end) still writes: zeros and lse = -inf, which the reduce weighs 0,
     # and in DIRECT mode an empty request gets zeros. Branch-free, and the cost is one row.
@@ -224,30 +233,43 @@ def _decode_split_kernel(
             out.to(out_ptr.dtype.element_ty), mask=store_mask,
         )
     else:
-        # workspace rows: [B, num_q_heads, num_splits, (HEAD_DIM | 1)]
-        row = (b64 * NUM_Q_HEADS + heads) * num_splits + split
-        tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=store_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        tl.store(lse_ptr + row, lse, mask=row_mask)
+        # workspace rows: [B, num_q_heads, num_cols, (HEAD_DIM | 1)]; columns 0..num_splits-1
+        # are this kernel's, the rest the cascade prefix kernel's
+        row = (b64 * NUM_Q_HEADS + heads) * num_cols + split
+        _store_partial(part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, store_mask, HEAD_DIM)
 
 
 @triton.jit
+def _store_partial(part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, store_mask, HEAD_DIM: tl.constexpr):
+    """One split's normalised output rows and their base-2 log-sum-exp (-inf: saw nothing)."""
+    tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=store_mask)
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+    tl.store(lse_ptr + row, lse, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits", "num_cols"])
 def _decode_reduce_kernel(
-    part_ptr, lse_ptr, seq_lens_ptr, out_ptr,
-    stride_ot, stride_oh, num_splits,
+    part_ptr, lse_ptr, seq_lens_ptr, kv_start_ptr, num_parts_ptr, out_ptr,
+    stride_ot, stride_oh, num_splits, num_cols,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_CASCADE: tl.constexpr,
 ):
+    # Merges a (request, head)'s partial results: the split kernel's active splits (columns
+    # 0..), and with HAS_CASCADE the prefix kernel's num_parts[b] (columns num_splits..).
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
-    num_active = tl.cdiv(seq_len, split_len)  # 0 for an empty (padding) request: writes zeros
+    kv_start = tl.load(kv_start_ptr + b) if HAS_CASCADE else 0
+    split_len = _split_len(seq_len - kv_start, num_splits, BLOCK_N, MIN_SPLIT)
+    num_active = tl.cdiv(seq_len - kv_start, split_len)  # 0 for an empty (padding) request: writes zeros
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = s < num_active
+    if HAS_CASCADE:
+        num_parts = tl.load(num_parts_ptr + b)
+        s_mask = s_mask | ((s >= num_splits) & (s < num_splits + num_parts))
     d_mask = d < HEAD_DIM
-    row = (b.to(tl.int64) * NUM_Q_HEADS + h) * num_splits + s
+    row = (b.to(tl.int64) * NUM_Q_HEADS + h) * num_cols + s
     lse = tl.load(lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -263,9 +285,10 @@ def _decode_block_n(cfg: dict[str, int], head_dim: int, x: torch.Tensor) -> int:
     return cfg["BLOCK_N"] if head_dim * x.element_size() <= 256 else max(16, cfg["BLOCK_N"] // 2)
 
 
-def workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
-    """fp32 elements of decode workspace: partial outputs then their log-sum-exps."""
-    return batch * num_q_heads * num_splits * (head_dim + 1)
+def workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_cols: int) -> int:
+    """fp32 elements of decode workspace: partial outputs then their log-sum-exps, `num_cols`
+    per (request, head): the splits, plus MAX_CASCADE_PARTS with cascade."""
+    return batch * num_q_heads * num_cols * (head_dim + 1)
 
 
 def paged_decode(
@@ -278,10 +301,15 @@ def paged_decode(
     num_splits: int,
     workspace: torch.Tensor | None,
     out: torch.Tensor,
+    cascade: CascadeInputs | None = None,
 ) -> torch.Tensor:
     """out[b] = attention of q[b] ([B, Hq, D], one token per request) over the first
-    seq_lens[b] positions of request b's pages. With num_splits > 1, `workspace` (fp32, at
-    least workspace_numel(...) elements) holds the per-split partial results."""
+    seq_lens[b] positions of request b's pages. With num_splits > 1 or a cascade, `workspace`
+    (fp32, at least workspace_numel(...) elements) holds the partial results.
+
+    `cascade` (nanoserve.attention.cascade): requests grouped by a shared prefix; each
+    group's prefix is read once by the prefix kernel for all its members, the split kernel
+    reads each request's positions from cascade.prefix_len[b] on, and the reduce merges both."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -291,37 +319,66 @@ def paged_decode(
     cfg = INTERPRET_DECODE_CONFIG if INTERPRET else DECODE_CONFIG
     block_d = triton.next_power_of_2(head_dim)
     block_n = _decode_block_n(cfg, block_d, k_cache)
-    direct = num_splits == 1
+    direct = num_splits == 1 and cascade is None
+    num_cols = num_splits + (MAX_CASCADE_PARTS if cascade is not None else 0)
     if direct:
         part, lse = out, out  # unused
     else:
         assert workspace is not None and workspace.dtype == torch.float32
-        n_part = batch * num_q_heads * num_splits * head_dim
-        n_lse = batch * num_q_heads * num_splits
+        n_lse = batch * num_q_heads * num_cols
+        n_part = n_lse * head_dim
         assert workspace.numel() >= n_part + n_lse, "decode workspace too small"
         part, lse = workspace[:n_part], workspace[n_part : n_part + n_lse]
+    kv_start = cascade.prefix_len if cascade is not None else seq_lens  # unused without cascade
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens,
+        q, k_cache, v_cache, page_table, seq_lens, kv_start,
         out, part, lse,
         q.stride(0), q.stride(1),
         kc_slot, vc_slot,
         page_table.stride(0),
         out.stride(0), out.stride(1),
-        num_splits, scale * LOG2E,
+        num_splits, num_cols, scale * LOG2E,
         NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct, DOT_F32=DOT_F32,
-        num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
-    )
+        BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct, HAS_START=cascade is not None,
+        DOT_F32=DOT_F32, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
+    )  # fmt: skip
+    if cascade is not None:
+        assert cascade.items.shape[1] == len(ITEM_FIELDS)
+        ccfg = cascade_config(group)
+        assert ccfg is not None, "cascade planned for a head group too large for the prefix kernel"
+        _cascade_prefix_kernel[(cascade.items.shape[0], num_kv_heads)](
+            q, k_cache, v_cache, page_table, cascade.items, cascade.members,
+            part, lse,
+            q.stride(0), q.stride(1), kc_slot, vc_slot, page_table.stride(0),
+            num_splits, num_cols, scale * LOG2E,
+            NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=ccfg["BLOCK_M"], BLOCK_N=ccfg["BLOCK_N"],
+            DOT_F32=DOT_F32, num_warps=ccfg["num_warps"], num_stages=_stages(ccfg, k_cache),
+        )  # fmt: skip
     if not direct:
+        num_parts = cascade.num_parts if cascade is not None else seq_lens  # unused without cascade
         _decode_reduce_kernel[(batch, num_q_heads)](
-            part, lse, seq_lens, out,
-            out.stride(0), out.stride(1), num_splits,
+            part, lse, seq_lens, kv_start, num_parts, out,
+            out.stride(0), out.stride(1), num_splits, num_cols,
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS,
-            num_warps=4,
-        )
+            BLOCK_S=triton.next_power_of_2(num_cols), BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS,
+            HAS_CASCADE=cascade is not None, num_warps=4,
+        )  # fmt: skip
     return out
+
+
+def cascade_config(group: int) -> dict[str, int] | None:
+    """The prefix kernel's launch config for `group` query heads per kv head; None when fewer
+    than two requests' heads fit in one tile (no cascade then)."""
+    cfg = INTERPRET_CASCADE_CONFIG if INTERPRET else CASCADE_CONFIG
+    return cfg if cfg["BLOCK_M"] // group >= 2 else None
+
+
+def cascade_max_members(group: int) -> int:
+    """Most requests one cascade work item serves (their heads fill the query tile)."""
+    cfg = cascade_config(group)
+    return 0 if cfg is None else cfg["BLOCK_M"] // group
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, max_splits: int) -> int:
@@ -475,3 +532,63 @@ def paged_extend(
         num_warps=cfg["num_warps"], num_stages=_stages(cfg, q),
     )
     return out
+
+
+# ---------------------------------------------------------------------- cascade (shared prefix)
+
+@triton.jit(do_not_specialize=["stride_pt", "num_splits", "num_cols"])
+def _cascade_prefix_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, items_ptr, members_ptr,
+    part_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_kc_slot, stride_vc_slot, stride_pt,
+    num_splits, num_cols, scale_log2,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    # One program = one (work item, kv head). The rows of its query tile are every member's
+    # GROUP heads of this kv head (row r: member r // GROUP, head r % GROUP), so each K/V block
+    # of the shared prefix is read once for the whole group instead of once per request.
+    # A work item's 6 int32 fields, in the order of nanoserve.attention.cascade.ITEM_FIELDS.
+    item = items_ptr + tl.program_id(0) * 6
+    kvh = tl.program_id(1)
+    count = tl.load(item + 1)
+    if count > 0:  # graphs launch a fixed number of items; unused ones have no members
+        first = tl.load(item + 0)
+        row_b = tl.load(item + 2).to(tl.int64)
+        lo = tl.load(item + 3)
+        hi = tl.load(item + 4)
+        col = num_splits + tl.load(item + 5)
+        r = tl.arange(0, BLOCK_M)
+        member = r // GROUP
+        heads = kvh * GROUP + r % GROUP
+        row_mask = member < count
+        b = tl.load(members_ptr + first + member, mask=row_mask, other=0).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        if BLOCK_D == HEAD_DIM:
+            d_mask = d < BLOCK_D
+        else:
+            d_mask = d < HEAD_DIM
+        q = tl.load(
+            q_ptr + b[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=row_mask[:, None] & d_mask[None, :], other=0.0,
+        )
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table = page_table_ptr + row_b * stride_pt
+        k_base = k_cache_ptr + kvh * HEAD_DIM
+        v_base = v_cache_ptr + kvh * HEAD_DIM
+        for n0 in range(lo, hi, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            n_mask = pos < hi
+            page = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            slot = page * PAGE_SIZE + pos % PAGE_SIZE
+            k = _load_tile(k_base + slot[:, None] * stride_kc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
+            v = _load_tile(v_base + slot[:, None] * stride_vc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
+            m_i, l_i, acc = _attend_block(
+                q, k, v, m_i, l_i, acc, n_mask[None, :], scale_log2, MASKED=True, DOT_F32=DOT_F32
+            )
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        row = (b * NUM_Q_HEADS + heads) * num_cols + col
+        _store_partial(part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, row_mask[:, None] & d_mask[None, :], HEAD_DIM)

@@ -8,6 +8,8 @@ size for a decode batch.
 Invariants:
 - graphs are captured for sizes 1, 2, 4, 8, then every 16 up to `max_bs` (and `max_bs`
   itself), largest first, all in one memory pool, after an eager warm-up of each size;
+  with `cascade`, sizes >= MIN_CASCADE_BATCH get a second graph whose attention runs the
+  cascade kernels (nanoserve.attention.cascade), replayed for steps that carry a plan;
 - the captured metadata says max_seq_len = the engine's max_model_len, so the Triton
   decode split count is fixed at capture while each request's work follows its device-side
   length; the page table is [max_bs, ceil(max_model_len / page_size)] and a replay writes
@@ -17,7 +19,7 @@ Invariants:
 - a replay's output is a view into the graph's static logits, valid until the next replay
   (the sampler reads it on the same stream before that);
 - the graph of size bs reads its inputs but the page table from `static` laid out as
-  `decode_layout(bs)` (`nanoserve.engine.packed_inputs`): `ModelRunner.prepare` copies a
+  `decode_layout(bs, cascade=...)` (`nanoserve.engine.packed_inputs`): `ModelRunner.prepare` copies a
   decode step's packed inputs there in one host-to-device copy and its page table into
   `page_table`, so such a replay copies nothing; inputs from elsewhere (another rank's
   broadcast) are copied in field by field. Sizes share the buffer, so a replay of size bs
@@ -33,7 +35,8 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from nanoserve.attention.base import AttentionMetadata
+from nanoserve.attention.base import AttentionMetadata, CascadeInputs
+from nanoserve.attention.cascade import ITEM_FIELDS, MIN_CASCADE_BATCH, max_cascade_items
 from nanoserve.engine.packed_inputs import PackedLayout
 
 if TYPE_CHECKING:
@@ -50,12 +53,27 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def decode_layout(bs: int, width: int = 0) -> PackedLayout:
-    """The packed inputs of a decode step padded to `bs` rows, page table `width` wide."""
+def decode_layout(bs: int, width: int = 0, cascade: bool = False) -> PackedLayout:
+    """The packed inputs of a decode step padded to `bs` rows, page table `width` wide, with
+    room for a cascade plan if `cascade`."""
+    plan = {
+        "cascade_prefix_len": bs, "cascade_num_parts": bs, "cascade_members": bs,
+        "cascade_items": max_cascade_items(bs) * len(ITEM_FIELDS),
+    } if cascade else {}  # fmt: skip
     return PackedLayout(
         input_ids=bs, positions=bs, slot_mapping=bs, req_slots=bs, pool_index=bs,
-        seq_lens=bs, prefix_lens=bs, cu_query_lens=bs + 1, page_table=bs * width,
+        seq_lens=bs, prefix_lens=bs, cu_query_lens=bs + 1, page_table=bs * width, **plan,
     )  # fmt: skip
+
+
+def cascade_inputs(views: dict[str, torch.Tensor]) -> CascadeInputs:
+    """The cascade plan's fields of a packed decode step, as the attention backend reads them."""
+    return CascadeInputs(
+        views["cascade_prefix_len"],
+        views["cascade_num_parts"],
+        views["cascade_members"],
+        views["cascade_items"].view(-1, len(ITEM_FIELDS)),
+    )
 
 
 def default_max_bs(device: torch.device, max_num_seqs: int) -> int:
@@ -66,20 +84,23 @@ def default_max_bs(device: torch.device, max_num_seqs: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_bs: int, max_seq_len: int):
+    def __init__(self, runner: ModelRunner, max_bs: int, max_seq_len: int, cascade: bool = False):
         self.runner = runner
         self.max_bs = max_bs
         self.max_seq_len = max_seq_len
         self.sizes = graph_batch_sizes(max_bs)
+        self.cascade = cascade
         self.max_pages = -(-max_seq_len // runner.page_size)
         dev = runner.device
         # Room for the largest step, its packed page table included (prepare copies that
         # part on into `page_table`).
-        self.static = torch.zeros(decode_layout(max_bs, self.max_pages).nbytes, dtype=torch.uint8, device=dev)
+        nbytes = decode_layout(max_bs, self.max_pages, cascade).nbytes
+        self.static = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
         self.page_table = torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=dev)
-        self._views: dict[int, dict[str, torch.Tensor]] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self._views: dict[tuple[int, bool], dict[str, torch.Tensor]] = {}
+        # keyed by (batch size, runs the cascade kernels)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.memory_bytes = 0
 
@@ -92,17 +113,21 @@ class DecodeGraphs:
                 return size
         return None
 
-    def views(self, bs: int) -> dict[str, torch.Tensor]:
+    def has_cascade(self, bs: int) -> bool:
+        """Whether size bs has a cascade graph."""
+        return self.cascade and bs >= MIN_CASCADE_BATCH
+
+    def views(self, bs: int, cascade: bool = False) -> dict[str, torch.Tensor]:
         """The typed fields of `static` that the graph of size bs reads (page table aside)."""
-        views = self._views.get(bs)
+        views = self._views.get((bs, cascade))
         if views is None:
-            views = self._views[bs] = decode_layout(bs).torch_views(self.static)
+            views = self._views[(bs, cascade)] = decode_layout(bs, 0, cascade).torch_views(self.static)
         return views
 
-    def _static_inputs(self, bs: int) -> ForwardInputs:
+    def _static_inputs(self, bs: int, cascade: bool) -> ForwardInputs:
         from nanoserve.engine.model_runner import ForwardInputs
 
-        v = self.views(bs)
+        v = self.views(bs, cascade)
         meta = AttentionMetadata(
             is_decode=True,
             seq_lens=v["seq_lens"],
@@ -114,6 +139,7 @@ class DecodeGraphs:
             prefix_lens_host=[self.max_seq_len - 1] * bs,
             max_query_len=1,
             max_seq_len=self.max_seq_len,
+            cascade=cascade_inputs(v) if cascade else None,
         )
         return ForwardInputs(v["input_ids"], v["positions"], meta, None)
 
@@ -125,16 +151,24 @@ class DecodeGraphs:
         attn = runner.model.layers[0].self_attn
         reserve = getattr(runner.backend, "reserve_decode_workspace", None)
         if reserve is not None:
-            reserve(self.max_bs, attn.num_heads, cfg.head_dim, attn.num_kv_heads, self.max_seq_len, dev)
+            cascade = self.has_cascade(self.max_bs)
+            reserve(self.max_bs, attn.num_heads, cfg.head_dim, attn.num_kv_heads, self.max_seq_len, dev, cascade)
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()  # capture empties the cache too: do it first, so the delta is the graphs'
         free_before, _ = torch.cuda.mem_get_info(dev)
         started = time.perf_counter()
         pool = None
-        bar = tqdm(list(reversed(self.sizes)), desc="capturing decode graphs", leave=False)
-        for bs in bar:
-            inputs = self._static_inputs(bs)
-            inputs.meta.cu_query_lens.copy_(torch.arange(bs + 1, dtype=torch.int32))  # one token per row
+        keys = [(bs, cascade) for bs in reversed(self.sizes) for cascade in (False, True)]
+        keys = [(bs, cascade) for bs, cascade in keys if not cascade or self.has_cascade(bs)]
+        bar = tqdm(keys, desc="capturing decode graphs", leave=False)
+        for key in bar:
+            bs, cascade = key
+            inputs = self._static_inputs(bs, cascade)
+            # One token per row; an all-zero cascade plan (no items, prefix lengths 0).
+            inputs.meta.cu_query_lens.copy_(torch.arange(bs + 1, dtype=torch.int32))
+            if cascade:
+                for name in ("cascade_prefix_len", "cascade_num_parts", "cascade_items"):
+                    self.views(bs, True)[name].zero_()
             for _ in range(2):  # warm-up: Triton JIT, torch.compile, allocator
                 runner.forward_logits(inputs)
             torch.cuda.synchronize(dev)
@@ -143,8 +177,8 @@ class DecodeGraphs:
                 out = runner.forward_logits(inputs)
             if pool is None:
                 pool = graph.pool()
-            self.graphs[bs] = graph
-            self.outputs[bs] = out
+            self.graphs[key] = graph
+            self.outputs[key] = out
             free, _ = torch.cuda.mem_get_info(dev)
             bar.set_postfix(bs=bs, free_gib=f"{free / 2**30:.1f}")
         bar.close()
@@ -162,9 +196,11 @@ class DecodeGraphs:
 
     def replay(self, inputs: ForwardInputs) -> torch.Tensor:
         bs, n = inputs.graph_bs, inputs.num_reqs
-        v = self.views(bs)
+        key = (bs, inputs.meta.cascade is not None)
+        v = self.views(*key)
         if inputs.input_ids.data_ptr() != v["input_ids"].data_ptr():  # not prepared in place
             meta = inputs.meta
+            assert meta.cascade is None, "cascade steps are prepared in place"
             v["input_ids"].copy_(inputs.input_ids, non_blocking=True)
             v["positions"].copy_(inputs.positions, non_blocking=True)
             v["seq_lens"].copy_(meta.seq_lens, non_blocking=True)
@@ -173,5 +209,5 @@ class DecodeGraphs:
             v["slot_mapping"].copy_(meta.slot_mapping, non_blocking=True)
             width = meta.page_table.shape[1]
             self.page_table[:bs, :width].copy_(meta.page_table, non_blocking=True)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        self.graphs[key].replay()
+        return self.outputs[key][:n]

@@ -136,6 +136,8 @@ class LLMEngine:
         self.scheduler.num_preemptions = self.scheduler.num_prefill_tokens = 0
         self.gpu_wait_s = self.step_s = 0.0
         self.num_steps = 0
+        if hasattr(self.runner, "num_cascade_steps"):
+            self.runner.num_cascade_steps = 0
         self.check_invariants()
         log.info("warm-up requests ran in %.1f s", time.perf_counter() - started)
 
@@ -399,6 +401,8 @@ class LLMEngine:
             "prefix_cache_hit_tokens": cache.hit_tokens if cache is not None else 0,
             "prefix_cache_hit_rate": cache.hit_rate if cache is not None else 0.0,
             "prefill_tokens_computed": sched.num_prefill_tokens,
+            # decode steps that read shared prefixes once per group (nanoserve.attention.cascade)
+            "cascade_decode_steps": getattr(self.runner, "num_cascade_steps", 0),
         }
 
     def shutdown(self) -> None:

@@ -18,8 +18,9 @@ import torch
 
 from nanoserve.attention import get_backend
 from nanoserve.attention.base import AttentionMetadata, ForwardBatch
+from nanoserve.attention.cascade import MIN_CASCADE_BATCH, max_cascade_items, plan_cascade
 from nanoserve.config import EngineConfig
-from nanoserve.engine.cuda_graph import DecodeGraphs, decode_layout, default_max_bs
+from nanoserve.engine.cuda_graph import DecodeGraphs, cascade_inputs, decode_layout, default_max_bs
 from nanoserve.engine.packed_inputs import PackedLayout
 from nanoserve.engine.piecewise_graph import PiecewiseGraphs, piecewise_sizes
 from nanoserve.kvcache.pool import KVCache
@@ -87,6 +88,21 @@ class ModelRunner:
         self.token_pool = torch.zeros(config.max_num_seqs, dtype=torch.long, device=device)
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None  # prefill/extend graphs
+        # Cascade decode (nanoserve.attention.cascade): only where requests can share pages
+        # (the prefix cache), with the Triton backend, at TP = 1 (its inputs are not part of
+        # the tensor-parallel step message).
+        attn = model.layers[0].self_attn
+        self.cascade_members = 0  # most requests per cascade work item; 0: cascade off
+        self.cascade_target_items = 0
+        if (
+            config.cascade_attention
+            and config.enable_prefix_caching
+            and self.backend.name == "triton"
+            and model.tp.size == 1
+        ):
+            self.cascade_members = self.backend.cascade_max_members(attn.num_heads // attn.num_kv_heads)
+            self.cascade_target_items = self.backend.cascade_target_items(attn.num_kv_heads, device)
+        self.num_cascade_steps = 0
 
     def setup_cuda_graphs(self, max_model_len: int) -> None:
         """Capture decode graphs (off with cuda_graph_max_bs=0) and piecewise prefill graphs
@@ -116,7 +132,7 @@ class ModelRunner:
         max_bs = cfg.cuda_graph_max_bs
         max_bs = default_max_bs(self.device, cfg.max_num_seqs) if max_bs is None else min(max_bs, cfg.max_num_seqs)
         max_bs = tp.agree_min(max_bs, self.device)
-        self.graphs = DecodeGraphs(self, max_bs, max_model_len)
+        self.graphs = DecodeGraphs(self, max_bs, max_model_len, cascade=self.cascade_members > 0)
         self.graphs.capture()
 
     @torch.inference_mode()  # writes into graph buffers whose views were made in inference mode
@@ -146,7 +162,8 @@ class ModelRunner:
         rows = batch.page_table.rows  # indexed by slot
         graph_bs = self.graphs.padded_size(n) if self.graphs is not None else None
         bs = n if graph_bs is None else graph_bs
-        layout = decode_layout(bs, width)
+        may_cascade = self.cascade_members > 0 and n >= MIN_CASCADE_BATCH
+        layout = decode_layout(bs, width, cascade=may_cascade)
         host, h = self._staging(layout)
         ids = h["input_ids"]
         ids[:n] = [r.token_ids[-1] for r in reqs]
@@ -163,11 +180,23 @@ class ModelRunner:
             for name in _PER_ROW_FIELDS:
                 h[name][n:] = 0
             table[n:] = 0
+        plan = None
+        if may_cascade:
+            plan = plan_cascade(
+                table[:n], prefix + 1, ps, self.cascade_members, max_cascade_items(bs), self.cascade_target_items
+            )
+        if plan is not None:
+            self.num_cascade_steps += 1
+            for name, values in (("prefix_len", plan.prefix_len), ("num_parts", plan.num_parts)):
+                h[f"cascade_{name}"][:n] = values
+                h[f"cascade_{name}"][n:] = 0  # padding rows
+            h["cascade_members"][:n] = plan.members
+            h["cascade_items"][:] = plan.items.reshape(-1)
         pending = ids[:n] < 0
         if graph_bs is not None:
             g = self.graphs
             g.static[: layout.nbytes].copy_(host, non_blocking=True)
-            d = g.views(bs)
+            d = g.views(bs, plan is not None)
             page_table = g.page_table[:bs, :width]
             page_table.copy_(layout.torch_view(g.static, "page_table").view(bs, width))
         else:
@@ -185,6 +214,7 @@ class ModelRunner:
             prefix_lens_host=prefix_host,
             max_query_len=1,
             max_seq_len=max_seq,
+            cascade=cascade_inputs(d) if plan is not None else None,
         )
         return ForwardInputs(d["input_ids"], d["positions"], meta, None, graph_bs, n, d["req_slots"][:n])
 
