@@ -13,7 +13,9 @@ weights unless --load-format says otherwise; sizes are multiplied by --scale):
 - random: as many requests of the same lengths as `shared`, with no common prefix (the
   cache can only cost here).
 Each mode runs in a fresh process (so both get the same KV capacity), warms up, and then
-runs every workload from an empty cache. Reported per workload and mode: prompt tokens,
+runs every workload from an empty cache (`--repeat N`: N times, the last one reported; the
+time, step count and GPU wait of each run are printed, so that a first run paying for
+kernel compilation shows). Reported per workload and mode: prompt tokens,
 prefill tokens actually computed, prefix-cache hit rate, output tokens/s and wall time;
 then the on/off throughput ratio. Prints a markdown table and writes it to
 $OUT/prefix_cache.md when OUT is set.
@@ -100,13 +102,20 @@ def run_mode(args: argparse.Namespace, cache_on: bool) -> list[dict]:
         WORKLOADS[name](gen, random.Random(-2), vocab, args.scale / 10)
     results = []
     for name in args.workloads:
-        if engine.prefix_cache is not None:
-            engine.prefix_cache.reset()  # engine idle: every workload starts from an empty cache
-        counts.update(prompt=0, output=0)
-        before = llm.stats()
-        start = time.perf_counter()
-        WORKLOADS[name](gen, random.Random(args.seed), vocab, args.scale)
-        elapsed = time.perf_counter() - start
+        for rep in range(args.repeat):  # the last repetition is reported
+            if engine.prefix_cache is not None:
+                engine.prefix_cache.reset()  # engine idle: every workload starts from an empty cache
+            counts.update(prompt=0, output=0)
+            before = llm.stats()
+            steps, wait_s = engine.num_steps, engine.gpu_wait_s
+            start = time.perf_counter()
+            WORKLOADS[name](gen, random.Random(args.seed), vocab, args.scale)
+            elapsed = time.perf_counter() - start
+            print(
+                f"{name:>7} run {rep + 1}/{args.repeat}: {elapsed:.2f} s, {engine.num_steps - steps} steps, "
+                f"host waited {engine.gpu_wait_s - wait_s:.2f} s for the GPU",
+                flush=True,
+            )
         after = llm.stats()
         assert after["kv_pages_free"] + after["kv_pages_cached"] == after["kv_pages_total"], after
         queries = after["prefix_cache_query_tokens"] - before["prefix_cache_query_tokens"]
@@ -160,6 +169,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the workload sizes (e.g. 0.05 on CPU)")
     parser.add_argument("--workloads", default="shared,chat,random", help="comma-separated: shared, chat, random")
     parser.add_argument("--modes", default="on,off", help="cache modes to run: on, off or both")
+    parser.add_argument("--repeat", type=int, default=1, help="run each workload this many times, report the last")
     add_engine_args(parser)
     parser.set_defaults(load_format="dummy")
     args = parser.parse_args()

@@ -10,8 +10,8 @@ before it: a decode CUDA graph captured for batch size `bs` reads its inputs at 
 offsets whatever the page-table width of the step (see `nanoserve.engine.cuda_graph`).
 The cascade fields come after all the others but the page table, so a layout with them
 has every other field where a layout without them has it: a step laid out for cascade can
-still replay the plain graph. Offsets are multiples of the field's element size, so byte
-views can be reinterpreted.
+still replay the plain graph. Offsets are multiples of 16 bytes (FIELD_ALIGN), so byte
+views can be reinterpreted and every field is as aligned as a fresh tensor.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# Every field starts at a multiple of 16 bytes. Triton specializes a kernel on whether each
+# pointer argument is 16-byte aligned; with fields packed back to back, a field's alignment
+# would depend on the sizes before it, so a kernel could compile a new variant in the middle
+# of serving whenever a batch size flipped it.
+FIELD_ALIGN = 16
 # input_ids, positions, slot_mapping: [T]; req_slots: [B] each request's slot; pool_index:
 # [T] the slot whose token pool entry replaces a token id < 0; logit_rows: [R].
 I64_FIELDS = ("input_ids", "positions", "slot_mapping", "req_slots", "pool_index", "logit_rows")
@@ -43,7 +48,7 @@ class PackedLayout:
             for name in fields:
                 n = sizes.get(name, 0)
                 self.spans[name] = (offset, n)
-                offset += n * size
+                offset += -(-n * size // FIELD_ALIGN) * FIELD_ALIGN
         self.nbytes = offset
 
     def torch_view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
