@@ -19,17 +19,21 @@ for s in ${STAGES:-tests offline latency}; do
     tests_kernels) stage tests_kernels 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_decode_kernels.py ;;
     tests_attn) stage tests_attn 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_attention.py ;;
     offline) stage offline 150 python benchmarks/offline_throughput.py ;;
+    offline_nofused) stage offline_nofused 150 env NANOSERVE_FUSED_SAMPLER=0 python benchmarks/offline_throughput.py ;;
     offline_noops) stage offline_noops 150 env NANOSERVE_TRITON_OPS=0 python benchmarks/offline_throughput.py ;;
     llama) stage offline_llama 200 python benchmarks/offline_throughput.py --model llama-3.1-8b ;;
     latency) stage latency 200 python benchmarks/latency.py ;;
     prefill) stage prefill 300 python benchmarks/prefill_graphs.py ;;
-    prefix) stage prefix 400 python benchmarks/prefix_cache.py --model qwen3-0.6b --workloads ${PREFIX_WORKLOADS:-shared,random} ;;
+    prefix) stage prefix 400 python benchmarks/prefix_cache.py --model qwen3-0.6b --workloads ${PREFIX_WORKLOADS:-shared,random} $PREFIX_ARGS ;;
     prefix_llama) stage prefix_llama 400 python benchmarks/prefix_cache.py --model llama-3.1-8b ;;
     attention) stage attention 200 python benchmarks/attention.py ;;
-    cascade) stage cascade 200 python benchmarks/cascade_decode.py $CASCADE_ARGS ;;
+    cascade) stage cascade ${T_CASCADE:-200} python benchmarks/cascade_decode.py $CASCADE_ARGS ;;
     tests_cascade) stage tests_cascade 300 python -m pytest -m gpu -q -p no:cacheprovider tests/test_cascade.py ;;
     prefix_nocascade) stage prefix_nocascade 300 python benchmarks/prefix_cache.py --model qwen3-0.6b --workloads shared --modes on --no-cascade ;;
     peer) stage peer ${T_PEER:-450} python benchmarks/offline_throughput.py --peer hf ;;
+    profile) stage profile 400 python benchmarks/profile_offline.py ;;
+    sampler) stage sampler_tests ${T_SAMPLER_TESTS:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_sampler.py
+             stage sampler_bench 120 python benchmarks/sampler_bench.py ;;
   esac
 done
 grep -E "^=====|tok/s|TPOT|passed|failed|error|x$" $LOG | tail -n 60

@@ -3,12 +3,14 @@ SamplingParams validation."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import pytest
 import torch
 
-from nanoserve.engine.sampler import SampleRow, Sampler, apply_penalties, mask_logits
+from nanoserve.engine.sampler import FUSED_MIN_GREEDY_ROWS, Sampler, SampleRow, apply_penalties, mask_logits
 from nanoserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -116,14 +118,17 @@ def test_penalties():
     out = apply_penalties(logits.clone(), [row(SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1])])
     assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]
     out = apply_penalties(
-        logits.clone(), [row(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), prompt=[3], output=[2, 2, 0])]
+        logits.clone(),
+        [row(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), prompt=[3], output=[2, 2, 0])],
     )
     assert out.tolist() == [[2.0 - 0.75, -2.0, 1.0 - 1.25, 0.5]]
 
 
 def test_logprobs_are_the_raw_distribution():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
-    tokens, lps = Sampler(CPU, 0)(logits, [row(SamplingParams(temperature=0, logprobs=2, repetition_penalty=1.5), output=[2])])
+    tokens, lps = Sampler(CPU, 0)(
+        logits, [row(SamplingParams(temperature=0, logprobs=2, repetition_penalty=1.5), output=[2])]
+    )
     expected = logits.log_softmax(-1)[0]
     assert lps[0].token_id == tokens[0]
     assert math.isclose(lps[0].top[2], expected[2].item(), rel_tol=1e-6)
@@ -165,3 +170,208 @@ def test_invalid_sampling_params_name_the_field(field, value):
 def test_min_tokens_above_max_tokens_is_rejected():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=2)
+
+
+# ------------------------------------------------------------------ the fused sampling kernel
+# CPU: Triton's interpreter on tiny shapes (conftest sets TRITON_INTERPRET=1 without a GPU);
+# GPU (`pytest -m gpu tests/test_sampler.py`): the LM head's real shape, 256 x 151,936 bf16.
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+interp = pytest.mark.skipif(not (HAS_TRITON and INTERPRET), reason="needs triton and TRITON_INTERPRET=1")
+ON_CPU = pytest.param("cpu", marks=interp)
+ON_GPU = pytest.param("cuda", marks=pytest.mark.gpu)
+
+
+def kernels():
+    from nanoserve.engine import sample_kernels
+
+    return sample_kernels
+
+
+def tied_logits(rows: int, vocab: int, dtype, device, seed: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """Random logits whose first four rows hold ties, and those rows' first maximal index:
+    a tie across distant words (other chunks), one between neighbours, a constant row and
+    a row of -inf (torch.argmax gives 0 for both)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen)
+    x[0, 5] = x[0, vocab - 1] = 9.0
+    x[1, vocab // 2] = x[1, vocab // 2 + 1] = 9.0
+    x[2] = 0.0
+    x[3] = float("-inf")
+    return x.to(dtype).to(device), [5, vocab // 2, 0, 0]
+
+
+@pytest.mark.parametrize("device", [ON_CPU, ON_GPU])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_greedy_rows_are_torch_argmax(device, dtype):
+    shapes = [(6, 203), (4, 37), (1, 203)] if device == "cpu" else [(256, 151936), (4, 151936), (1, 151936), (5, 997)]
+    for rows, vocab in shapes:
+        x, firsts = tied_logits(max(rows, 4), vocab, dtype, device)
+        x = x[:rows]
+        expected = x.argmax(dim=-1)
+        assert expected[: min(rows, 4)].tolist() == firsts[:rows], "torch.argmax: not the first maximal index"
+        for programs in (1, 16, 64) if device == "cpu" else (None, 1):  # different vocabulary splits
+            got = kernels().fused_sample(x, torch.zeros(rows, device=device), 0, 0, programs=programs)
+            assert got.dtype == torch.long and torch.equal(got, expected), (rows, vocab, programs)
+    # Rows of a wider buffer (as the LM head's output sliced to the vocabulary).
+    wide, _ = tied_logits(6, 300, dtype, device)
+    x = wide[:, :250]
+    got = kernels().fused_sample(x, torch.zeros(6, device=device), 0, 0)
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+def gumbel_cdf(g: torch.Tensor) -> torch.Tensor:
+    return torch.exp(-torch.exp(-g))
+
+
+@pytest.mark.parametrize("device", [ON_CPU, ON_GPU])
+def test_fused_draw_is_the_argmax_of_gumbel_scores(device, monkeypatch):
+    """The kernel maximizes logit / T + g with g ~ Gumbel(0, 1) independent per word:
+    the returned tokens are exactly the argmax of its test twin's scores, and the scores
+    minus logit / T pass a Kolmogorov-Smirnov test against the Gumbel distribution."""
+    if device == "cpu":
+        monkeypatch.setattr(kernels(), "BLOCK", 256)  # more words per interpreted program
+        rows, vocab = 8, 2000
+    else:
+        rows, vocab = 256, 151936
+    gen = torch.Generator().manual_seed(1)
+    x = (3 * torch.randn(rows, vocab, generator=gen)).bfloat16().to(device)
+    temps = torch.linspace(0.3, 1.7, rows).to(device)
+    for step in (0, 7):
+        scores = kernels().gumbel_scores(x, temps, seed=11, step=step)
+        tokens = kernels().fused_sample(x, temps, seed=11, step=step)
+        assert torch.equal(tokens, scores.argmax(dim=-1))
+        # Nor do the draws depend on how the vocabulary is split.
+        assert torch.equal(tokens, kernels().fused_sample(x, temps, seed=11, step=step, programs=1))
+        noise = (scores - x.float() / temps[:, None]).double().flatten().sort().values
+        n = noise.numel()
+        ecdf_hi = torch.arange(1, n + 1, dtype=torch.float64, device=device) / n
+        cdf = gumbel_cdf(noise)
+        ks = torch.maximum(ecdf_hi - cdf, cdf - (ecdf_hi - 1 / n)).max().item()
+        assert ks * math.sqrt(n) < 2.5, f"noise is not Gumbel(0, 1): KS statistic {ks:.4f} over {n} words"
+
+
+def bucket_probs(logits: torch.Tensor, temperature: float, live: list[int]) -> torch.Tensor:
+    """softmax(logits / T) of each `live` word, and of all the others together last."""
+    p = (logits.double() / temperature).softmax(dim=-1)
+    return torch.cat([p[live], (1 - p[live].sum()).reshape(1)]) if len(live) < len(logits) else p[live]
+
+
+@pytest.mark.parametrize("device", [ON_CPU, ON_GPU])
+def test_fused_temperature_draws_follow_the_softmax(device):
+    """Draw frequencies against softmax(logits / T). Half of the rows are greedy and must
+    always give the argmax. Pairs of words with equal logits (in one tile, and across
+    tiles and chunks) must be drawn equally often. CPU: 8 words, 400 draws; GPU: 8 live
+    words spread over a 151,936-word vocabulary (the rest, 35% of the mass, one bucket),
+    51,200 draws."""
+    temperature = 0.6
+    live_logits = torch.tensor([3.0, 1.5, 0.0, -1.0, 3.0, 1.5, 2.0, 0.5])
+    if device == "cpu":
+        vocab, rows, calls, live = 8, 800, 1, list(range(8))
+        logits = live_logits.clone()
+    else:
+        vocab, rows, calls = 151936, 256, 400
+        live = [0, 1023, 50000, 151934, 256, 1024, 75967, 151935]
+        logits = torch.full((vocab,), -4.0)
+        logits[live] = live_logits
+    expected = bucket_probs(logits, temperature, live)
+    temps = torch.tensor([temperature, 0.0]).repeat(rows // 2).to(device)
+    batch = logits.bfloat16().repeat(rows, 1).to(device)  # every value is exact in bf16
+    bucket_of = torch.full((vocab,), len(live), dtype=torch.long, device=device)
+    bucket_of[live] = torch.arange(len(live), device=device)
+    counts = torch.zeros(len(expected), dtype=torch.long, device=device)
+    for step in range(calls):
+        tokens = kernels().fused_sample(batch, temps, seed=5, step=step)
+        assert torch.all(tokens[1::2] == 0), "a greedy row did not take the argmax"
+        counts += torch.bincount(bucket_of[tokens[0::2]], minlength=len(expected))
+    n = rows // 2 * calls
+    freq = counts.double().cpu() / n
+    z = (freq - expected).abs() / (expected * (1 - expected) / n).sqrt()
+    assert z.max() < 5, f"frequencies {freq.tolist()} vs softmax {expected.tolist()}: z {z.max():.1f}"
+
+
+@pytest.mark.parametrize("device", [ON_CPU, ON_GPU])
+def test_fused_draws_repeat_for_the_same_seed_and_step_only(device, monkeypatch):
+    rows, vocab = (8, 100) if device == "cpu" else (64, 151936)
+    x = torch.randn(rows, vocab).to(device)
+    temps = torch.ones(rows, device=device)
+    draw = kernels().fused_sample
+    first = draw(x, temps, seed=3, step=0)
+    assert torch.equal(first, draw(x, temps, seed=3, step=0))
+    # On zero logits the scores are the noise itself: distinct for every word of a row, and
+    # fresh for another step, another seed, a step past 2^31 and another row.
+    zeros = torch.zeros_like(x)
+    base = kernels().gumbel_scores(zeros, temps, seed=3, step=0)
+    # The uniforms have 24 bits, so among the millions of GPU-sized draws repeats are due (a
+    # birthday bound: 9.7M draws gave 7.3M distinct values, as expected); a few thousand
+    # draws must all but never repeat.
+    some = base.flatten()[:4096]
+    assert some.unique().numel() > 0.99 * some.numel()
+    monkeypatch.setattr(kernels(), "BLOCK", 64 if device == "cpu" else 256)
+    assert torch.equal(base, kernels().gumbel_scores(zeros, temps, seed=3, step=0)), "noise depends on the tile"
+    others = [kernels().gumbel_scores(zeros, temps, s, t) for s, t in ((3, 1), (4, 0), (3, 2**31))]
+    for other in others + [base.roll(1, 0)]:
+        assert (other == base).double().mean() < 0.01
+    differ = sum((draw(x, temps, seed=3, step=s) != first).sum().item() for s in (1, 2, 3))
+    assert differ >= rows, f"only {differ} of {3 * rows} draws changed with the step"
+
+
+def plain_rows(temps: list[float]) -> list[SampleRow]:
+    return [row(SamplingParams(temperature=t)) for t in temps]
+
+
+@pytest.mark.parametrize("device", [ON_CPU, ON_GPU])
+def test_sampler_uses_the_kernel_only_where_it_applies(device):
+    dev = torch.device(device)
+    fused, slow = Sampler(dev, seed=0, fused=True), Sampler(dev, seed=0, fused=False)
+    x = torch.randn(6, 301).to(dev)
+    greedy = plain_rows([0.0] * 6)  # a small all-greedy batch is left to torch's argmax
+    assert torch.equal(fused.sample(x, greedy).tokens, slow.sample(x, greedy).tokens)
+    assert not fused._plan.fused
+    big = torch.randn(FUSED_MIN_GREEDY_ROWS, 301).to(dev)
+    many = plain_rows([0.0] * FUSED_MIN_GREEDY_ROWS)
+    assert torch.equal(fused.sample(big, many).tokens, slow.sample(big, many).tokens)
+    assert fused._plan.fused and fused._plan.row_temperature.device.type == dev.type
+    mixed = plain_rows([0.0, 0.8, 0.0, 1.3, 0.5, 0.0])
+    calls = fused.calls
+    drawn = fused.sample(x, mixed).tokens
+    assert fused.calls == calls + 1  # each call draws fresh noise
+    assert drawn[[0, 2, 5]].tolist() == x[[0, 2, 5]].argmax(-1).tolist()
+    # Rows the kernel does not cover send the batch down the torch path: same tokens as the
+    # slow sampler (seeded rows draw from their own generators; top-k keeps the argmax here).
+    for special in (SamplingParams(temperature=0.7, seed=9), SamplingParams(temperature=0.7, top_k=1),
+                    SamplingParams(temperature=0, repetition_penalty=1.3)):  # fmt: skip
+        gen = (lambda: torch.Generator(dev).manual_seed(9)) if special.seed is not None else (lambda: None)
+        rows_f = [row(special, gen(), prompt=[1, 2])] + plain_rows([0.0] * 5)
+        rows_s = [row(special, gen(), prompt=[1, 2])] + plain_rows([0.0] * 5)
+        got = fused.sample(x, rows_f).tokens
+        assert not fused._plan.fused
+        assert torch.equal(got, slow.sample(x, rows_s).tokens)
+    # Log-probabilities read the raw logits on both paths.
+    lp_rows = [row(SamplingParams(temperature=0, logprobs=3))] * 2
+    tokens, lps = fused(x[:2], lp_rows)
+    expected = x[:2].float().log_softmax(-1)
+    assert tokens == x[:2].argmax(-1).tolist()
+    assert [list(lp.top) for lp in lps] == expected.topk(3).indices.tolist()
+    assert math.isclose(lps[1].logprob, expected[1, tokens[1]].item(), rel_tol=1e-5)
+
+
+@pytest.mark.gpu
+def test_sampler_on_cuda_is_fused_by_default_and_never_syncs(monkeypatch):
+    from nanoserve.engine import sampler as sampler_module
+
+    assert Sampler(torch.device("cuda"), 0).fused
+    monkeypatch.setattr(sampler_module, "FUSED_SAMPLER", False)  # NANOSERVE_FUSED_SAMPLER=0
+    assert not Sampler(torch.device("cuda"), 0).fused
+    sampler = Sampler(torch.device("cuda"), 0, fused=True)
+    logits = torch.randn(256, 151936, device="cuda").bfloat16()
+    rows = plain_rows([0.6] * 200 + [0.0] * 56)
+    sampler.sample(logits, rows)  # builds and caches the batch plan (its copies may sync)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sampler.sample(logits, rows).tokens
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(tokens[200:], logits[200:].argmax(-1))
