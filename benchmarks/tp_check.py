@@ -1,15 +1,22 @@
 """Tensor parallelism on GPUs: TP=N against TP=1 on the same dummy weights (issue 7).
 
-    python benchmarks/tp_check.py --model llama-3.1-8b --tp 2 [--dtypes bfloat16,float32]
+    python benchmarks/tp_check.py --model llama-3.1-8b --tp 2 [--dtypes bfloat16,float32] [--symm-off-too]
 
 Each (dtype, TP size) runs in its own process (one TP engine per process). The first dtype
 is measured in full, the others for greedy agreement only:
 - greedy tokens of 16 random prompts x 32 new tokens, with the top-5 logprobs, twice in the
   same engine: with decode CUDA graphs and the overlap loop (the defaults), and with both
   off (the eager twin, by dropping rank 0's graphs: the workers follow rank 0's step);
-- output throughput on nano-vllm's offline workload (benchmarks/offline_throughput.py);
+- output throughput on nano-vllm's offline workload (benchmarks/offline_throughput.py),
+  after a warm-up on all of the workload's prompts with 16 new tokens each (Triton and
+  torch.compile specialize on shapes; the worker ranks compile too, as they run every step
+  rank 0 sends);
 - batch-1 time per output token (128-token prompt; TPOT = (time for 65 tokens - time for
   1 token) / 64, median of 3).
+With --symm-off-too, TP=N runs once more, last, with NANOSERVE_SYMM_MEM=0 (NCCL for every
+all-reduce: the slow twin of the opt-in symmetric-memory all-reduce of the decode graphs, which
+the first runs use when NANOSERVE_SYMM_MEM=1 is set, as tp_session.sh does), measured
+like the first dtype's, so both paths' speed comes from one session.
 The parent prints, for TP=N vs TP=1 and for graphs vs eager within each, how many prompts
 agree token for token and whether the issue's criterion holds (at least 95% identical, and
 where two runs part, each one's token is within the other's top-5 at that position), then
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import signal
 import statistics
@@ -42,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 NUM_PROMPTS, NEW_TOKENS = 16, 32
 CHILD_TIMEOUT_S = {"full": 270, "quick": 150}
-SHUTDOWN_GRACE_S = 30
+SHUTDOWN_GRACE_S = 25
 
 
 def greedy(llm, prompts) -> dict:
@@ -81,6 +89,8 @@ def measure(args, tp: int, dtype: str, out: Path, quick: bool) -> None:
     result = {"tp": tp, "dtype": dtype, "ready_s": time.perf_counter() - started}
     progress("ready")
     engine = llm.engine
+    local = getattr(engine.runner, "local", engine.runner)
+    result["symm"] = getattr(local.model.tp, "symm", None) is not None  # decode sums over symmetric memory
     graphs = engine.runner.graphs
     result["graphs"] = graphs is not None
     result["graph_capture_s"] = graphs.capture_seconds if graphs is not None else 0.0
@@ -92,7 +102,6 @@ def measure(args, tp: int, dtype: str, out: Path, quick: bool) -> None:
     progress("greedy done")
     # The eager twin in the same engine: rank 0 without graphs sends eager steps, which every
     # rank runs eagerly; the simple loop instead of the overlap loop.
-    local = getattr(engine.runner, "local", engine.runner)
     local.graphs, engine.overlap = None, False
     result["greedy_eager"] = greedy(llm, prompts)
     local.graphs, engine.overlap = graphs, result["overlap"]
@@ -113,6 +122,10 @@ def measure(args, tp: int, dtype: str, out: Path, quick: bool) -> None:
         wl_prompts, wl_max = workload()
         wl_prompts = [[t % engine.model_config.vocab_size for t in p] for p in wl_prompts]  # tiny test models
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in wl_max]
+        # Warm-up on every prompt of the workload (its prefill chunks are what the timed run
+        # starts with; decode batches up to 256 come from graphs captured at start): 32 prompts
+        # were not enough, the first TP=2 process of a session still compiled in its timed run.
+        llm.generate(wl_prompts, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16), use_tqdm=False)
         start = time.perf_counter()
         outs = llm.generate(wl_prompts, params, use_tqdm=False)
         result["elapsed"] = time.perf_counter() - start
@@ -150,12 +163,13 @@ def report(what: str, a: dict, b: dict) -> bool:
     return ok
 
 
-def run_child(args, tp: int, dtype: str, quick: bool) -> dict | None:
-    path = Path(f"/tmp/tp_check_{tp}_{dtype}.json")
+def run_child(args, tp: int, dtype: str, quick: bool, symm_off: bool = False) -> dict | None:
+    path = Path(f"/tmp/tp_check_{tp}_{dtype}{'_symm_off' if symm_off else ''}.json")
     path.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--model", args.model, "--child", str(tp), "--dtype", dtype, "--out", str(path)]
     cmd += ["--device", args.device] if args.device else []
-    proc = subprocess.Popen(cmd + (["--quick"] if quick else []))  # its worker ranks die with it
+    env = {**os.environ, **({"NANOSERVE_SYMM_MEM": "0"} if symm_off else {})}
+    proc = subprocess.Popen(cmd + (["--quick"] if quick else []), env=env)  # its worker ranks die with it
     _CHILDREN.append(proc)
     deadline = time.monotonic() + CHILD_TIMEOUT_S["quick" if quick else "full"]
     done_at = None
@@ -192,6 +206,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32", help="the first is measured in full, the rest greedy only")
     ap.add_argument("--quick", action="store_true", help="greedy agreement only, for every dtype")
     ap.add_argument(
+        "--symm-off-too", action="store_true", help="TP=N once more with NANOSERVE_SYMM_MEM=0 (NCCL only), last"
+    )
+    ap.add_argument(
         "--device", default=None, help="default: the engine's (cuda if there is one); cpu to try the script"
     )
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
@@ -206,29 +223,50 @@ def main() -> None:
     for k, dtype in enumerate(dtypes):
         for tp in (1, args.tp):
             results[tp, dtype] = run_child(args, tp, dtype, quick=args.quick or k > 0)
+    if args.symm_off_too:
+        results["off"] = run_child(args, args.tp, dtypes[0], quick=args.quick, symm_off=True)
     print(f"\nmodel {args.model}: TP={args.tp} vs TP=1 (dummy weights)")
     for dtype in dtypes:
         base, tpn = results[1, dtype], results[args.tp, dtype]
         for r in (base, tpn):
             if r is not None:
-                print(
-                    f"[{dtype}] TP={r['tp']}: ready in {r['ready_s']:.0f} s (graph capture {r['graph_capture_s']:.1f} s), "
-                    f"graphs {'on' if r['graphs'] else 'off'}, overlap {'on' if r['overlap'] else 'off'}"
-                )
+                describe(dtype, r)
                 report(f"[{dtype}] TP={r['tp']} graphs+overlap vs eager+simple loop", r["greedy"], r["greedy_eager"])
         if base is not None and tpn is not None:
             report(f"[{dtype}] TP={args.tp} vs TP=1", base["greedy"], tpn["greedy"])
+    off = results.get("off")
+    if off is not None:
+        describe(dtypes[0], off)
+        report(f"[{dtypes[0]}] TP={args.tp} NCCL only: graphs+overlap vs eager", off["greedy"], off["greedy_eager"])
+        if results[1, dtypes[0]] is not None:
+            report(f"[{dtypes[0]}] TP={args.tp} NCCL only vs TP=1", results[1, dtypes[0]]["greedy"], off["greedy"])
     base, tpn = results[1, dtypes[0]], results[args.tp, dtypes[0]]
-    if args.quick or base is None or tpn is None:
+    if args.quick or base is None:
         return
-    for r in (base, tpn):
-        print(
-            f"[{dtypes[0]}] TP={r['tp']}: offline {r['throughput']:,.0f} output tok/s ({r['elapsed']:.1f} s), "
-            f"batch-1 TPOT {r['tpot_ms']:.2f} ms, KV {r['kv_tokens']:,} tokens, no leaks {r['no_leaks']}"
-        )
+    for r in (base, tpn, off):
+        if r is not None:
+            print(
+                f"[{dtypes[0]}] TP={r['tp']}{' ' + comm(r) if r['tp'] > 1 else ''}: offline "
+                f"{r['throughput']:,.0f} output tok/s ({r['elapsed']:.1f} s), batch-1 TPOT {r['tpot_ms']:.2f} ms, "
+                f"KV {r['kv_tokens']:,} tokens, no leaks {r['no_leaks']}"
+            )
+    for r in (tpn, off):
+        if r is not None:
+            print(
+                f"TP={r['tp']} {comm(r)}: throughput ratio {r['throughput'] / base['throughput']:.2f}x (target >= 1.6x), "
+                f"TPOT ratio {r['tpot_ms'] / base['tpot_ms']:.2f}x (target <= 0.65x)"
+            )
+
+
+def comm(r: dict) -> str:
+    return "(decode sums: symmetric memory)" if r.get("symm") else "(NCCL only)"
+
+
+def describe(dtype: str, r: dict) -> None:
     print(
-        f"throughput ratio {tpn['throughput'] / base['throughput']:.2f}x (target >= 1.6x), "
-        f"TPOT ratio {tpn['tpot_ms'] / base['tpot_ms']:.2f}x (target <= 0.65x)"
+        f"[{dtype}] TP={r['tp']}{' ' + comm(r) if r['tp'] > 1 else ''}: ready in {r['ready_s']:.0f} s "
+        f"(graph capture {r['graph_capture_s']:.1f} s), graphs {'on' if r['graphs'] else 'off'}, "
+        f"overlap {'on' if r['overlap'] else 'off'}"
     )
 
 

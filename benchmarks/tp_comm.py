@@ -12,10 +12,14 @@ how the step is sent and how the row-parallel sums are reduced:
   step has), bf16 against fp32, and the eager all-reduce (host launch cost included);
 - the row-parallel matmul of llama-3.1-8b at TP=2 with a bf16 output (`linear`) against
   an fp32 output (`linear(..., fp32_out=True)`, what TP > 1 uses) plus its rounding to bf16;
-- torch's symmetric-memory one-shot all-reduce in a CUDA graph (only where NVLink multicast
-  is off: TORCH_SYMM_MEM_DISABLE_MULTICAST=1), a candidate for decode-sized sums; its sums
-  are checked.
+- the symmetric-memory one-shot all-reduce that the decode graphs use for their sums
+  (nanoserve.distributed.symm_all_reduce; NVLink multicast stays off), in a CUDA graph and
+  eagerly; its sums are checked against NCCL's.
 `--nccl-env NCCL_PROTO=LL,...` sets NCCL variables first, to compare its protocol choices.
+
+These are each operation alone, back to back in a graph; inside a decode step the same
+collectives cost differently (2 x H200: an NCCL fp32 all-reduce of one row took 6.3 us in
+the step against 23 us here). benchmarks/tp_profile.py measures them in the step.
 """
 
 from __future__ import annotations
@@ -57,6 +61,16 @@ def _graph_us(graph: torch.cuda.CUDAGraph, ops: int, device, reps: int = 20) -> 
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / (reps * ops))
     return sorted(times)[1]
+
+
+def _captured_us(fn, device) -> float:
+    """Microseconds per call of fn, GRAPH_OPS calls captured back to back in one graph."""
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_OPS):
+            fn()
+    return _graph_us(graph, GRAPH_OPS, device)
 
 
 def rank_main(rank: int, world: int, addr: str, hidden: int) -> None:
@@ -108,12 +122,7 @@ def rank_main(rank: int, world: int, addr: str, hidden: int) -> None:
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.zeros(bs, hidden, dtype=dtype, device=device)
             dist.all_reduce(x)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(GRAPH_OPS):
-                    dist.all_reduce(x)
-            row.append(_graph_us(graph, GRAPH_OPS, device))
+            row.append(_captured_us(lambda x=x: dist.all_reduce(x), device))
         say(f"all-reduce in a graph, [{bs}, {hidden}]: bf16 {row[0]:.1f} us, fp32 {row[1]:.1f} us")
     x = torch.zeros(1, hidden, dtype=torch.bfloat16, device=device)
     us = _per_iter_us(lambda: dist.all_reduce(x), STEP_REPS, device)
@@ -124,42 +133,41 @@ def rank_main(rank: int, world: int, addr: str, hidden: int) -> None:
     if rank == 0:
         _matmuls(device, hidden)
     dist.barrier()
-    _symm_mem_all_reduce(device, hidden, say)
+    _symm_mem_all_reduce(ctx, device, hidden, say)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _symm_mem_all_reduce(device, hidden: int, say) -> None:
-    """torch's symmetric-memory one-shot all-reduce (peer-to-peer loads over NVLink, no
-    multicast) inside a CUDA graph: a candidate to replace NCCL for decode-sized sums."""
-    if os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") != "1":
-        say("symmetric-memory all-reduce: skipped (TORCH_SYMM_MEM_DISABLE_MULTICAST is not 1)")
-        return
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
+def _symm_mem_all_reduce(ctx, device, hidden: int, say) -> None:
+    """The engine's decode-sum path (nanoserve.distributed.symm_all_reduce: torch's one-shot
+    all-reduce over symmetric memory, peer-to-peer loads over NVLink, no multicast), through
+    `TPGroup.all_reduce` inside a CUDA graph as the decode graphs call it (the input copied
+    into the symmetric buffer by the kernel, a new output), and eagerly (host cost included:
+    the engine uses it only under capture). Its sums are checked against NCCL's."""
+    from nanoserve.distributed import TPGroup
+    from nanoserve.distributed.symm_all_reduce import setup_symm_all_reduce
 
-        group = dist.group.WORLD
-        for bs in BATCHES:
-            row = []
-            for dtype in (torch.bfloat16, torch.float32):
-                buf = symm_mem.empty(bs, hidden, dtype=dtype, device=device).fill_(dist.get_rank() + 1)
-                symm_mem.rendezvous(buf, group)
-                total = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name)
-                want = dist.get_world_size() * (dist.get_world_size() + 1) / 2
-                if not bool((total == want).all()):
-                    raise RuntimeError(f"one-shot all-reduce gave {total.flatten()[:4].tolist()}, want {want}")
-                torch.cuda.synchronize(device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(GRAPH_OPS):
-                        torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name)
-                row.append(_graph_us(graph, GRAPH_OPS, device))
-            say(
-                f"symmetric-memory one-shot all-reduce in a graph, [{bs}, {hidden}]: bf16 {row[0]:.1f} us, "
-                f"fp32 {row[1]:.1f} us (sums checked)"
-            )
-    except Exception as exc:  # noqa: BLE001 - a measurement of an option, not needed by the engine
-        say(f"symmetric-memory all-reduce: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+    symm = setup_symm_all_reduce(ctx, single_host=True)
+    if symm is None:
+        say("symmetric-memory all-reduce: not set up (see the log above)")
+        return
+    tp = TPGroup(ctx.rank, ctx.world_size, symm)
+    for bs in BATCHES:
+        row = []
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(bs, hidden, device=device).to(dtype)
+            want = x.clone()
+            dist.all_reduce(want)
+            if not torch.equal(symm.all_reduce(x), want):
+                raise RuntimeError(f"symmetric-memory sum of [{bs}, {hidden}] {dtype} differs from NCCL's")
+            row.append(_captured_us(lambda x=x: tp.all_reduce(x), device))
+        say(
+            f"symmetric-memory all-reduce (engine path) in a graph, [{bs}, {hidden}]: bf16 {row[0]:.1f} us, "
+            f"fp32 {row[1]:.1f} us (sums equal NCCL's)"
+        )
+    x = torch.randn(1, hidden, device=device)
+    us = _per_iter_us(lambda: symm.all_reduce(x), STEP_REPS, device)
+    say(f"symmetric-memory all-reduce eager, [1, {hidden}] fp32: {us:.1f} us per call (host included)")
 
 
 def _matmuls(device, hidden: int) -> None:

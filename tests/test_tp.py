@@ -2,7 +2,8 @@
 architecture, chunked prefill and the prefix cache on, simple and overlap loops; a dead or
 hung worker rank makes rank 0 fail with a clear error within the collective timeout; the
 server with --tp 2. Without processes: the step message packs and unpacks to the same
-inputs, and row-parallel partial sums kept in fp32 round like TP=1's matmul.
+inputs, row-parallel partial sums kept in fp32 round like TP=1's matmul, and which sums may
+take the symmetric-memory path. On 2 GPUs (`-m gpu`): that path against NCCL's all-reduce.
 
 Spawned ranks re-import torch, so each architecture starts one TP=2 LLM for the module.
 """
@@ -376,3 +377,88 @@ def _joined(runs):
         tokens += t
         top5 += k
     return tokens, top5
+
+
+# ---- the symmetric-memory all-reduce (nanoserve.distributed.symm_all_reduce) -------------------
+
+
+def test_symm_all_reduce_size_rule():
+    from nanoserve.distributed.symm_all_reduce import DEFAULT_MAX_BYTES, fits
+
+    row = 4096 * 4  # one fp32 row of a 4096-wide partial sum
+    assert fits(row, torch.float32, DEFAULT_MAX_BYTES) and fits(256 * row, torch.float32, DEFAULT_MAX_BYTES)
+    assert not fits(257 * row, torch.float32, DEFAULT_MAX_BYTES)  # prefill-sized: NCCL
+    assert fits(8192 * 2, torch.bfloat16, DEFAULT_MAX_BYTES)
+    assert not fits(0, torch.float32, DEFAULT_MAX_BYTES)
+    assert not fits(12, torch.float32, DEFAULT_MAX_BYTES)  # not a multiple of 16 bytes
+    assert not fits(row, torch.float16, DEFAULT_MAX_BYTES) and not fits(row, torch.int64, DEFAULT_MAX_BYTES)
+
+
+def _symm_rank(rank: int, world: int, addr: str) -> None:
+    """One rank of test_symm_all_reduce_matches_nccl_on_gpus (spawned)."""
+    import torch.distributed as dist
+
+    from nanoserve.distributed import TPGroup
+    from nanoserve.distributed.process_group import destroy_distributed, init_distributed
+    from nanoserve.distributed.symm_all_reduce import setup_symm_all_reduce
+
+    device = torch.device(f"cuda:{rank}")
+    ctx = init_distributed(rank, world, rank, addr, device, timeout_s=60)
+    try:
+        symm = setup_symm_all_reduce(ctx, single_host=True)
+        assert symm is not None, "the symmetric-memory all-reduce did not set up (see the log)"
+        tp = TPGroup(rank, world, symm)
+        g = torch.Generator(device=device).manual_seed(1234 + rank)  # different operands on each rank
+
+        def same_on_every_rank(t: torch.Tensor) -> bool:
+            parts = torch.empty((world, *t.shape), dtype=t.dtype, device=device)
+            dist.all_gather_into_tensor(parts, t.contiguous())
+            return all(torch.equal(parts[0], parts[r]) for r in range(1, world))
+
+        for dtype in (torch.float32, torch.bfloat16):
+            for rows in (1, 3, 64, 256):
+                x = torch.randn(rows, 4096, generator=g, device=device).to(dtype) * 10
+                sent = x.clone()
+                want = x.clone()
+                dist.all_reduce(want)
+                assert not symm.takes(x)  # eager: NCCL
+                got = symm.all_reduce(x)
+                assert torch.equal(x, sent), "the input was modified"
+                assert got.dtype == dtype and torch.equal(got, want), (dtype, rows, (got - want).abs().max().item())
+                assert same_on_every_rank(got)
+            # Captured in a CUDA graph through TPGroup.all_reduce (the decode graphs' path), then
+            # replayed on fresh inputs.
+            static = torch.zeros(8, 4096, dtype=dtype, device=device)
+            big = torch.zeros(257, 4096, dtype=torch.float32, device=device)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                assert symm.takes(static)
+                assert not symm.takes(big)  # above the buffer: NCCL even under capture
+                out = tp.all_reduce(static)
+            for _ in range(3):
+                static.copy_(torch.randn(static.shape, generator=g, device=device).to(dtype))
+                want = static.clone()
+                dist.all_reduce(want)
+                graph.replay()
+                torch.cuda.synchronize(device)
+                assert torch.equal(out, want) and same_on_every_rank(out), dtype
+        dist.barrier()
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.gpu
+def test_symm_all_reduce_matches_nccl_on_gpus():
+    """The one-shot symmetric-memory all-reduce against NCCL's on random fp32 and bf16 rows
+    (1..256 x 4096): bitwise equal at 2 ranks (a + b either way), the same bits on every
+    rank, eagerly and replayed from a CUDA graph; the input is left as it was."""
+    import torch.multiprocessing as mp
+
+    from nanoserve.distributed.process_group import free_port
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # never multicast (shared hosts)
+    os.environ["NANOSERVE_SYMM_MEM"] = "1"  # opt-in; the spawned ranks inherit it
+    mp.spawn(_symm_rank, args=(2, f"127.0.0.1:{free_port()}"), nprocs=2, join=True)

@@ -5,15 +5,20 @@ Owns: `TPGroup`. With size 1 (the default) every collective is the identity, so 
 code is the same with and without tensor parallelism. The collectives run on the default
 torch.distributed group (NCCL on CUDA, gloo on CPU); they read no device data on the host,
 so CUDA graphs capture them (every rank must then capture and replay the same graphs in
-the same order: see nanoserve.distributed.tp_runner).
+the same order: see nanoserve.distributed.tp_runner). With NANOSERVE_SYMM_MEM=1, on one
+host's GPUs, the small sums captured in CUDA graphs (decode) go through torch's symmetric
+memory instead of NCCL (`symm`, see nanoserve.distributed.symm_all_reduce); every rank
+makes the same choice.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from nanoserve.distributed.symm_all_reduce import SymmAllReduce
 
 # torch >= 2.12 renames all_gather_into_tensor (and warns on the old name).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -23,11 +28,15 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 class TPGroup:
     rank: int = 0
     size: int = 1
+    symm: SymmAllReduce | None = field(default=None, compare=False, repr=False)  # decode sums' fast path
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place."""
+        """Sum over ranks. Returns the sum: x itself, summed in place (NCCL, gloo), or a new
+        tensor (the symmetric-memory path, which leaves x as it was): use the result."""
         if self.size == 1:
             return x
+        if self.symm is not None and self.symm.takes(x):
+            return self.symm.all_reduce(x)
         dist.all_reduce(x)
         return x
 

@@ -16,6 +16,10 @@ Process layout (N = tensor_parallel_size, L = N / nnodes ranks per host):
   scheduler made since the last step (forks of n > 1 requests); every rank then runs the
   same forward, whose collectives shard the work. The LM head gathers full logits on
   every rank; rank 0 samples, the others drop them.
+- All-reduces: NCCL (gloo on CPU), except the small sums captured in decode CUDA graphs on
+  one host's GPUs, which use torch's symmetric-memory one-shot all-reduce (set up here right
+  after the rendezvous, identically on every rank: nanoserve.distributed.symm_all_reduce;
+  opt-in with NANOSERVE_SYMM_MEM=1).
 - CUDA graphs: every rank captures the same decode graphs in the same order while the
   engine starts (`ModelRunner.setup_cuda_graphs`, run by every rank's `LLMEngine`), so each
   captured collective has its peers; a step names the graph to replay (`graph_bs`) and
@@ -82,6 +86,7 @@ from nanoserve.distributed.process_group import (
     free_port,
     init_distributed,
 )
+from nanoserve.distributed.symm_all_reduce import setup_symm_all_reduce
 from nanoserve.engine.model_runner import ForwardInputs, KVPlan
 
 log = logging.getLogger("nanoserve")
@@ -326,12 +331,20 @@ def init_tensor_parallel(config) -> TPGroup:
             p.join(5)
         raise TensorParallelError(f"tensor-parallel rendezvous at {addr} failed: {exc}") from exc
     _RUNTIME = _Runtime(ctx, procs, config)
+    try:
+        symm = setup_symm_all_reduce(ctx, single_host=config.nnodes == 1)
+    except BaseException as exc:
+        if rank != 0:
+            raise
+        err = _RUNTIME.fail("setting up the symmetric-memory all-reduce failed", exc)
+        _RUNTIME.shutdown()
+        raise err from exc
     if rank == 0:
         log.info(
             "tensor parallel: %d ranks (%d per host, %d hosts), %s, rendezvous %s, worker pids %s",
             n, local_world, config.nnodes, dist.get_backend(), addr, [p.pid for _, p in procs],
         )  # fmt: skip
-    return TPGroup(rank, n)
+    return TPGroup(rank, n, symm)
 
 
 def _check_started(procs) -> None:
