@@ -99,10 +99,10 @@ def stub_forward(llm: LLM, graphs: bool, max_bs: int) -> None:
 
     runner.forward_logits = forward_logits
     if graphs:
-        g = DecodeGraphs(runner, max_bs, llm.engine.max_model_len)
+        g = DecodeGraphs(runner, max_bs, llm.engine.max_model_len)  # CPU: torch backend, no cascade twins
         for bs in g.sizes:
-            g.graphs[bs] = _NoGraph()
-            g.outputs[bs] = logits[:bs]
+            g.graphs[(bs, False)] = _NoGraph()
+            g.outputs[(bs, False)] = logits[:bs]
         runner.graphs = g
 
 
