@@ -103,6 +103,70 @@ def _dot(a, b, UPCAST: tl.constexpr):
     return c
 
 
+@triton.jit
+def _attend_block(
+    q, k, v, m_i, l_i, acc, mask, scale_log2,
+    MASKED: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """One online-softmax step of a [BLOCK_M, D] query tile over a [BLOCK_N, D] K/V block."""
+    qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32) * scale_log2
+    if MASKED:
+        qk = tl.where(mask, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_pages(
+    q, m_i, l_i, acc, table, k_base, v_base, lo, hi, stride_kc_slot, stride_vc_slot, d, scale_log2,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Online softmax of a query tile over cache positions [lo, hi) of one request's pages
+    (`table`: its page-table row; k_base / v_base: the caches offset to one kv head). Every
+    kernel that reads K/V through a page table does it here."""
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < hi
+        page = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        slot = page * PAGE_SIZE + pos % PAGE_SIZE
+        k = _load_tile(k_base + slot[:, None] * stride_kc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
+        v = _load_tile(v_base + slot[:, None] * stride_vc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
+        m_i, l_i, acc = _attend_block(
+            q, k, v, m_i, l_i, acc, n_mask[None, :], scale_log2, MASKED=True, DOT_F32=DOT_F32
+        )
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_rows(
+    q_ptr, q_rows, row_mask, table, k_base, v_base, lo, hi, stride_kc_slot, stride_vc_slot, scale_log2,
+    ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Attention of ROWS query rows (element offsets `q_rows` into q; rows off `row_mask` read
+    zeros) over positions [lo, hi) of one page-table row. Returns the normalised output
+    [ROWS, BLOCK_D] in fp32, the running max and sum (for a log-sum-exp), and the dim mask."""
+    d = tl.arange(0, BLOCK_D)
+    if BLOCK_D == HEAD_DIM:
+        d_mask = d < BLOCK_D  # all true: keeps the dim mask out of the vectorised loads
+    else:
+        d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _attend_pages(
+        q, m_i, l_i, acc, table, k_base, v_base, lo, hi, stride_kc_slot, stride_vc_slot, d, scale_log2,
+        PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
+    )  # fmt: skip
+    return acc / tl.maximum(l_i, 1e-30)[:, None], m_i, l_i, d, d_mask
+
+
 # ------------------------------------------------------------------------------------ store
 
 
@@ -192,40 +256,14 @@ def _decode_split_kernel(
     # An empty split (start >= end) still writes: zeros and lse = -inf, which the reduce weighs 0,
     # and in DIRECT mode an empty request gets zeros. Branch-free, and the cost is one row.
     g = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
     row_mask = g < GROUP
-    if BLOCK_D == HEAD_DIM:
-        d_mask = d < BLOCK_D  # all true: keeps the dim mask out of the vectorised loads
-    else:
-        d_mask = d < HEAD_DIM
     b64 = b.to(tl.int64)
-    q = tl.load(
-        q_ptr + b64 * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=row_mask[:, None] & d_mask[None, :], other=0.0,
-    )
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    table = page_table_ptr + b64 * stride_pt
-    k_base = k_cache_ptr + kvh * HEAD_DIM
-    v_base = v_cache_ptr + kvh * HEAD_DIM
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        n_mask = pos < end
-        page = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slot = page * PAGE_SIZE + pos % PAGE_SIZE
-        k = _load_tile(k_base + slot[:, None] * stride_kc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
-        v = _load_tile(v_base + slot[:, None] * stride_vc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
-        qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32) * scale_log2
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
-        m_i = m_new
-    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    out, m_i, l_i, d, d_mask = _attend_rows(
+        q_ptr, b64 * stride_qt + heads * stride_qh, row_mask, page_table_ptr + b64 * stride_pt,
+        k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, start, end, stride_kc_slot, stride_vc_slot,
+        scale_log2, BLOCK_H, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
+    )  # fmt: skip
     store_mask = row_mask[:, None] & d_mask[None, :]
     if DIRECT:
         tl.store(
@@ -394,23 +432,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
 # ----------------------------------------------------------------------------------- extend
 
 
-@triton.jit
-def _attend_block(
-    q, k, v, m_i, l_i, acc, mask, scale_log2,
-    MASKED: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    """One online-softmax step of a [BLOCK_M, D] query tile over a [BLOCK_N, D] K/V block."""
-    qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32) * scale_log2
-    if MASKED:
-        qk = tl.where(mask, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
-    return m_new, l_i, acc
-
-
 @triton.jit(do_not_specialize=["stride_pt", "num_m_blocks"])
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
@@ -453,16 +474,10 @@ def _extend_kernel(
         table = page_table_ptr + b.to(tl.int64) * stride_pt
         kc_base = k_cache_ptr + kvh * HEAD_DIM
         vc_base = v_cache_ptr + kvh * HEAD_DIM
-        for n0 in range(0, prefix, BLOCK_N):
-            pos = n0 + offs_n
-            n_mask = pos < prefix
-            page = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-            slot = page * PAGE_SIZE + pos % PAGE_SIZE
-            k = _load_tile(kc_base + slot[:, None] * stride_kc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
-            v = _load_tile(vc_base + slot[:, None] * stride_vc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
-            m_i, l_i, acc = _attend_block(
-                q, k, v, m_i, l_i, acc, n_mask[None, :], scale_log2, MASKED=True, DOT_F32=DOT_F32
-            )
+        m_i, l_i, acc = _attend_pages(
+            q, m_i, l_i, acc, table, kc_base, vc_base, 0, prefix, stride_kc_slot, stride_vc_slot, d, scale_log2,
+            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
+        )  # fmt: skip
 
         # 2) new tokens before this query block: visible to every row, no mask.
         k_base = k_ptr + (q_start.to(tl.int64)) * stride_kt + kvh * stride_kh
@@ -564,31 +579,10 @@ def _cascade_prefix_kernel(
         heads = kvh * GROUP + r % GROUP
         row_mask = member < count
         b = tl.load(members_ptr + first + member, mask=row_mask, other=0).to(tl.int64)
-        d = tl.arange(0, BLOCK_D)
-        if BLOCK_D == HEAD_DIM:
-            d_mask = d < BLOCK_D
-        else:
-            d_mask = d < HEAD_DIM
-        q = tl.load(
-            q_ptr + b[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-            mask=row_mask[:, None] & d_mask[None, :], other=0.0,
-        )
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        table = page_table_ptr + row_b * stride_pt
-        k_base = k_cache_ptr + kvh * HEAD_DIM
-        v_base = v_cache_ptr + kvh * HEAD_DIM
-        for n0 in range(lo, hi, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            n_mask = pos < hi
-            page = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-            slot = page * PAGE_SIZE + pos % PAGE_SIZE
-            k = _load_tile(k_base + slot[:, None] * stride_kc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
-            v = _load_tile(v_base + slot[:, None] * stride_vc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
-            m_i, l_i, acc = _attend_block(
-                q, k, v, m_i, l_i, acc, n_mask[None, :], scale_log2, MASKED=True, DOT_F32=DOT_F32
-            )
-        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        out, m_i, l_i, d, d_mask = _attend_rows(
+            q_ptr, b * stride_qt + heads * stride_qh, row_mask, page_table_ptr + row_b * stride_pt,
+            k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, lo, hi, stride_kc_slot, stride_vc_slot,
+            scale_log2, BLOCK_M, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
+        )  # fmt: skip
         row = (b * NUM_Q_HEADS + heads) * num_cols + col
         _store_partial(part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, row_mask[:, None] & d_mask[None, :], HEAD_DIM)
