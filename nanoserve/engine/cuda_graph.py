@@ -166,9 +166,10 @@ class DecodeGraphs:
             inputs = self._static_inputs(bs, cascade)
             # One token per row; an all-zero cascade plan (no items, prefix lengths 0).
             inputs.meta.cu_query_lens.copy_(torch.arange(bs + 1, dtype=torch.int32))
-            if cascade:
-                for name in ("cascade_prefix_len", "cascade_num_parts", "cascade_items"):
-                    self.views(bs, True)[name].zero_()
+            plan = inputs.meta.cascade
+            if plan is not None:
+                for field in (plan.prefix_len, plan.num_parts, plan.items):
+                    field.zero_()
             for _ in range(2):  # warm-up: Triton JIT, torch.compile, allocator
                 runner.forward_logits(inputs)
             torch.cuda.synchronize(dev)

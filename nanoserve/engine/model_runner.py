@@ -183,7 +183,7 @@ class ModelRunner:
         plan = None
         if may_cascade:
             plan = plan_cascade(
-                table[:n], prefix + 1, ps, self.cascade_members, max_cascade_items(bs), self.cascade_target_items
+                table[:n], h["seq_lens"][:n], ps, self.cascade_members, max_cascade_items(bs), self.cascade_target_items
             )
         if plan is not None:
             self.num_cascade_steps += 1

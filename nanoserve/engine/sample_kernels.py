@@ -214,8 +214,6 @@ def fused_sample(
     chunk, num_chunks = split_vocab(rows, vocab, programs)
     part_val = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
-    # Plain 31-bit ints: Triton types a Python int by its value, and a change of type would
-    # compile the kernel again.
     _sample_chunk_kernel[(rows, num_chunks)](
         logits,
         temperature,
