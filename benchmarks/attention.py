@@ -13,13 +13,16 @@ KV copies that together exceed 4x the L2 (median of 20 replays); the eager time
 (triton.testing.do_bench, L2 flushed before each call, CPU launch cost can show) is listed too.
 Extend times are do_bench medians (warm-up, L2 flushed before every call).
 Prints a markdown table at the end and writes it to $OUT/attention.md when OUT is set.
-`--sweep` first times decode split counts.
+`--sweep` first times decode split counts. `--ragged` times only the decode batches of the
+offline workload (ragged context lengths, qwen3-0.6b's 16 query heads by default) under
+several launch configs (sums over its steps 0, 100, ..., 1000).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 
 import torch
@@ -76,27 +79,35 @@ def copy_ceiling() -> float:
     return 2 * n * 2 / ms / 1e9  # TB/s
 
 
-def decode_case(batch: int, ctx: int, gen: torch.Generator):
-    pages_per_req = ctx // PAGE
-    num_pages = 1 + batch * pages_per_req
+def decode_case(lens: list[int], gen: torch.Generator, hq: int = HQ):
+    """A decode batch with context lengths `lens`, each request on shuffled pages."""
+    pages = [-(-n // PAGE) for n in lens]
+    num_pages = 1 + sum(pages)
     k_cache = torch.randn(num_pages, PAGE, HKV, D, device=DEV, dtype=DT, generator=gen)
     v_cache = torch.randn(num_pages, PAGE, HKV, D, device=DEV, dtype=DT, generator=gen)
-    perm = torch.randperm(num_pages - 1, device=DEV, generator=gen) + 1
-    page_table = perm.view(batch, pages_per_req).to(torch.int32)
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-    q = torch.randn(batch, HQ, D, device=DEV, dtype=DT, generator=gen)
+    perm = (torch.randperm(num_pages - 1, device=DEV, generator=gen) + 1).to(torch.int32)
+    page_table = torch.zeros(len(lens), max(pages), dtype=torch.int32, device=DEV)
+    taken = 0
+    for i, n in enumerate(pages):
+        page_table[i, :n] = perm[taken : taken + n]
+        taken += n
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(len(lens), hq, D, device=DEV, dtype=DT, generator=gen)
     return q, k_cache, v_cache, page_table, seq_lens
 
 
-def time_decode(batch: int, ctx: int, gen: torch.Generator, num_splits: int | None = None) -> tuple[float, float, int]:
+def time_decode(
+    lens: list[int], gen: torch.Generator, num_splits: int | None = None, hq: int = HQ
+) -> tuple[float, float, int]:
     """(graph ms, eager do_bench ms, splits). The graph rotates over enough KV copies that
     together they exceed 4x the L2, so each call reads its KV from memory."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    copies = min(8, max(1, -(-4 * l2 // decode_bytes(batch, ctx))))
-    cases = [decode_case(batch, ctx, gen) for _ in range(copies)]
+    copies = min(8, max(1, -(-4 * l2 // decode_bytes(lens))))
+    cases = [decode_case(lens, gen, hq) for _ in range(copies)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = num_splits or tk.choose_num_splits(batch, HKV, ctx, sms, 32)
-    ws = torch.empty(tk.workspace_numel(batch, HQ, D, splits), device=DEV, dtype=torch.float32)
+    # as the engine's decode graphs choose it (their max_seq_len: the benchmark's max_model_len)
+    splits = num_splits or tk.choose_num_splits(len(lens), HKV, 4096, sms, 32)
+    ws = torch.empty(tk.workspace_numel(len(lens), hq, D, splits), device=DEV, dtype=torch.float32)
     out = torch.empty_like(cases[0][0])
 
     def call(case):
@@ -110,8 +121,8 @@ def time_decode(batch: int, ctx: int, gen: torch.Generator, num_splits: int | No
     return g_ms, e_ms, splits
 
 
-def decode_bytes(batch: int, ctx: int) -> int:
-    return batch * ctx * HKV * D * 2 * 2
+def decode_bytes(lens: list[int]) -> int:
+    return sum(lens) * HKV * D * 2 * 2
 
 
 def extend_case(num_reqs: int, prefix: int, new: int, gen: torch.Generator):
@@ -166,21 +177,67 @@ def sweep(gen, ceiling: float) -> None:
     for b, c in [(8, 1024), (8, 2048), (8, 4096), (16, 2048), (32, 2048), (64, 1024)]:
         res = []
         for s in (1, 2, 4, 6, 8, 12, 16):
-            ms, _, _ = time_decode(b, c, gen, num_splits=s)
-            res.append(f"s{s}:{decode_bytes(b, c) / ms / 1e9 / ceiling * 100:.0f}%")
+            ms, _, _ = time_decode([c] * b, gen, s)
+            res.append(f"s{s}:{decode_bytes([c] * b) / ms / 1e9 / ceiling * 100:.0f}%")
         print(f"decode splits b{b} c{c}: " + " ".join(res), flush=True)
         torch.cuda.empty_cache()
+
+
+def workload_batches(every: int = 100) -> list[list[int]]:
+    """Decode batches of the offline workload (benchmarks/offline_throughput.py: 256 requests,
+    prompts and outputs of 100..1024 tokens) every `every` steps: the context lengths of the
+    requests still running, as the engine decodes them all at once."""
+    rng = random.Random(0)
+    prompts = [rng.randint(100, 1024) for _ in range(256)]
+    outputs = [rng.randint(100, 1024) for _ in range(256)]
+    return [[p + step + 1 for p, o in zip(prompts, outputs) if o > step] for step in range(0, 1024, every)]
+
+
+def ragged_sweep(gen, ceiling: float, hq: int) -> None:
+    """Launch configs on the offline workload's ragged decode batches: the sum of one layer's
+    decode attention time over steps 0, 100, ..., 1000, and the same batches with the
+    requests ordered longest first (do long programs finishing last cost time?)."""
+
+    def total(batches: list[list[int]], label: str) -> float:
+        per_step = [time_decode(lens, gen, None, hq)[0] for lens in batches]
+        ms, nbytes = sum(per_step), sum(decode_bytes(lens) for lens in batches)
+        steps = " ".join(f"{len(lens)}:{t * 1e3:.0f}" for lens, t in zip(batches, per_step))
+        print(
+            f"ragged hq {hq} {label}: {ms * 1e3:.0f} us summed, {nbytes / ms / 1e9:.2f} TB/s "
+            f"({nbytes / ms / 1e9 / ceiling:.1%} of copy); per step (batch:us) {steps}",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+        return ms
+
+    batches = workload_batches()
+    total(batches, f"config {tk.DECODE_CONFIG}")
+    total([sorted(lens, reverse=True) for lens in batches], "requests sorted by length, longest first")
+    base = dict(tk.DECODE_CONFIG)
+    for block_n, warps, stages in [(128, 4, 2), (128, 4, 3), (64, 4, 4)]:
+        tk.DECODE_CONFIG.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        try:
+            total(batches, f"config {tk.DECODE_CONFIG}")
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is reported
+            print(f"ragged config {tk.DECODE_CONFIG} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+    tk.DECODE_CONFIG.clear()
+    tk.DECODE_CONFIG.update(base)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--ragged", action="store_true", help="only the ragged-batch config sweep")
+    parser.add_argument("--hq", type=int, default=16, help="query heads for --ragged (16: qwen3-0.6b)")
     args = parser.parse_args()
     name = torch.cuda.get_device_name(0)
     print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     gen = torch.Generator(device=DEV).manual_seed(0)
     ceiling = copy_ceiling()
     print(f"copy ceiling: {ceiling:.2f} TB/s", flush=True)
+    if args.ragged:
+        ragged_sweep(gen, ceiling, args.hq)
+        return
     if args.sweep:
         sweep(gen, ceiling)
 
@@ -189,8 +246,8 @@ def main() -> None:
     rows += ["|---|---|---|---|---|---|---|---|"]
     for batch in (8, 64, 128, 256):
         for ctx in (1024, 2048, 4096, 8192):
-            ms, eager_ms, splits = time_decode(batch, ctx, gen)
-            tbs = decode_bytes(batch, ctx) / ms / 1e9
+            ms, eager_ms, splits = time_decode([ctx] * batch, gen)
+            tbs = decode_bytes([ctx] * batch) / ms / 1e9
             pct = tbs / ceiling * 100
             target = 75 if batch >= 64 else (60 if ctx == 2048 else None)
             verdict = "-" if target is None else (f">= {target}%: " + ("met" if pct >= target else "MISSED"))

@@ -27,6 +27,8 @@ for s in ${STAGES:-tests offline latency}; do
     prefix) stage prefix 400 python benchmarks/prefix_cache.py --model qwen3-0.6b --workloads ${PREFIX_WORKLOADS:-shared,random} $PREFIX_ARGS ;;
     prefix_llama) stage prefix_llama 400 python benchmarks/prefix_cache.py --model llama-3.1-8b ;;
     attention) stage attention 200 python benchmarks/attention.py ;;
+    ragged) stage ragged ${T_RAGGED:-300} python benchmarks/attention.py --ragged ;;
+    gemm) stage gemm ${T_GEMM:-360} python benchmarks/gemm_decode.py $GEMM_ARGS ;;
     cascade) stage cascade ${T_CASCADE:-200} python benchmarks/cascade_decode.py $CASCADE_ARGS ;;
     tests_cascade) stage tests_cascade 300 python -m pytest -m gpu -q -p no:cacheprovider tests/test_cascade.py ;;
     prefix_nocascade) stage prefix_nocascade 300 python benchmarks/prefix_cache.py --model qwen3-0.6b --workloads shared --modes on --no-cascade ;;

@@ -13,7 +13,9 @@ is measured in full, the others for greedy agreement only:
   rank 0 sends);
 - batch-1 time per output token (128-token prompt; TPOT = (time for 65 tokens - time for
   1 token) / 64, median of 3).
-With --symm-off-too, TP=N runs once more, last, with NANOSERVE_SYMM_MEM=0 (NCCL for every
+With --variant KEY=VAL[,KEY=VAL] (repeatable), TP=N runs once more per variant, last, with
+those environment settings, measured like the first dtype's (e.g. NANOSERVE_TP_REDUCE_FP32=0:
+bf16 partial sums). With --symm-off-too, TP=N runs once more with NANOSERVE_SYMM_MEM=0 (NCCL for every
 all-reduce: the slow twin of the opt-in symmetric-memory all-reduce of the decode graphs, which
 the first runs use when NANOSERVE_SYMM_MEM=1 is set, as tp_session.sh does), measured
 like the first dtype's, so both paths' speed comes from one session.
@@ -163,12 +165,14 @@ def report(what: str, a: dict, b: dict) -> bool:
     return ok
 
 
-def run_child(args, tp: int, dtype: str, quick: bool, symm_off: bool = False) -> dict | None:
-    path = Path(f"/tmp/tp_check_{tp}_{dtype}{'_symm_off' if symm_off else ''}.json")
+def run_child(args, tp: int, dtype: str, quick: bool, variant: dict[str, str] | None = None) -> dict | None:
+    """One engine in its own process; `variant`: environment settings for it (None: as is)."""
+    tag = "_".join(f"{k}={v}" for k, v in (variant or {}).items())
+    path = Path(f"/tmp/tp_check_{tp}_{dtype}{'_' + tag if tag else ''}.json")
     path.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--model", args.model, "--child", str(tp), "--dtype", dtype, "--out", str(path)]
     cmd += ["--device", args.device] if args.device else []
-    env = {**os.environ, **({"NANOSERVE_SYMM_MEM": "0"} if symm_off else {})}
+    env = {**os.environ, **(variant or {})}
     proc = subprocess.Popen(cmd + (["--quick"] if quick else []), env=env)  # its worker ranks die with it
     _CHILDREN.append(proc)
     deadline = time.monotonic() + CHILD_TIMEOUT_S["quick" if quick else "full"]
@@ -209,6 +213,12 @@ def main() -> None:
         "--symm-off-too", action="store_true", help="TP=N once more with NANOSERVE_SYMM_MEM=0 (NCCL only), last"
     )
     ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="KEY=VAL[,KEY=VAL]: TP=N once more with these environment settings (repeatable)",
+    )
+    ap.add_argument(
         "--device", default=None, help="default: the engine's (cuda if there is one); cpu to try the script"
     )
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
@@ -223,8 +233,13 @@ def main() -> None:
     for k, dtype in enumerate(dtypes):
         for tp in (1, args.tp):
             results[tp, dtype] = run_child(args, tp, dtype, quick=args.quick or k > 0)
-    if args.symm_off_too:
-        results["off"] = run_child(args, args.tp, dtypes[0], quick=args.quick, symm_off=True)
+    variants = [{"NANOSERVE_SYMM_MEM": "0"}] if args.symm_off_too else []
+    variants += [dict(kv.split("=", 1) for kv in v.split(",")) for v in args.variant]
+    for variant in variants:
+        r = run_child(args, args.tp, dtypes[0], quick=args.quick, variant=variant)
+        if r is not None:
+            r["variant"] = variant
+        results[tuple(variant.items())] = r
     print(f"\nmodel {args.model}: TP={args.tp} vs TP=1 (dummy weights)")
     for dtype in dtypes:
         base, tpn = results[1, dtype], results[args.tp, dtype]
@@ -234,23 +249,24 @@ def main() -> None:
                 report(f"[{dtype}] TP={r['tp']} graphs+overlap vs eager+simple loop", r["greedy"], r["greedy_eager"])
         if base is not None and tpn is not None:
             report(f"[{dtype}] TP={args.tp} vs TP=1", base["greedy"], tpn["greedy"])
-    off = results.get("off")
-    if off is not None:
-        describe(dtypes[0], off)
-        report(f"[{dtypes[0]}] TP={args.tp} NCCL only: graphs+overlap vs eager", off["greedy"], off["greedy_eager"])
-        if results[1, dtypes[0]] is not None:
-            report(f"[{dtypes[0]}] TP={args.tp} NCCL only vs TP=1", results[1, dtypes[0]]["greedy"], off["greedy"])
+    runs = [results[tuple(v.items())] for v in variants]
+    for variant, r in zip(variants, runs):
+        if r is not None:
+            describe(dtypes[0], r)
+            report(f"[{dtypes[0]}] TP={args.tp} {comm(r)}: graphs+overlap vs eager", r["greedy"], r["greedy_eager"])
+            if results[1, dtypes[0]] is not None:
+                report(f"[{dtypes[0]}] TP={args.tp} {comm(r)} vs TP=1", results[1, dtypes[0]]["greedy"], r["greedy"])
     base, tpn = results[1, dtypes[0]], results[args.tp, dtypes[0]]
     if args.quick or base is None:
         return
-    for r in (base, tpn, off):
+    for r in (base, tpn, *runs):
         if r is not None:
             print(
                 f"[{dtypes[0]}] TP={r['tp']}{' ' + comm(r) if r['tp'] > 1 else ''}: offline "
                 f"{r['throughput']:,.0f} output tok/s ({r['elapsed']:.1f} s), batch-1 TPOT {r['tpot_ms']:.2f} ms, "
                 f"KV {r['kv_tokens']:,} tokens, no leaks {r['no_leaks']}"
             )
-    for r in (tpn, off):
+    for r in (tpn, *runs):
         if r is not None:
             print(
                 f"TP={r['tp']} {comm(r)}: throughput ratio {r['throughput'] / base['throughput']:.2f}x (target >= 1.6x), "
@@ -259,7 +275,9 @@ def main() -> None:
 
 
 def comm(r: dict) -> str:
-    return "(decode sums: symmetric memory)" if r.get("symm") else "(NCCL only)"
+    what = "(decode sums: symmetric memory" if r.get("symm") else "(NCCL only"
+    extra = ", ".join(f"{k}={v}" for k, v in r.get("variant", {}).items() if k != "NANOSERVE_SYMM_MEM")
+    return what + (f"; {extra})" if extra else ")")
 
 
 def describe(dtype: str, r: dict) -> None:
