@@ -35,6 +35,7 @@ from nanoserve.attention import triton_kernels as tk  # noqa: E402
 DEV = "cuda"
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DT = torch.bfloat16
+KV_DT = torch.bfloat16  # the decode caches' dtype (--kv-dtype fp8: float8 e4m3)
 
 
 def bench(fn) -> float:
@@ -83,8 +84,8 @@ def decode_case(lens: list[int], gen: torch.Generator, hq: int = HQ):
     """A decode batch with context lengths `lens`, each request on shuffled pages."""
     pages = [-(-n // PAGE) for n in lens]
     num_pages = 1 + sum(pages)
-    k_cache = torch.randn(num_pages, PAGE, HKV, D, device=DEV, dtype=DT, generator=gen)
-    v_cache = torch.randn(num_pages, PAGE, HKV, D, device=DEV, dtype=DT, generator=gen)
+    k_cache = torch.randn(num_pages, PAGE, HKV, D, device=DEV, dtype=DT, generator=gen).to(KV_DT)
+    v_cache = torch.randn(num_pages, PAGE, HKV, D, device=DEV, dtype=DT, generator=gen).to(KV_DT)
     perm = (torch.randperm(num_pages - 1, device=DEV, generator=gen) + 1).to(torch.int32)
     page_table = torch.zeros(len(lens), max(pages), dtype=torch.int32, device=DEV)
     taken = 0
@@ -122,7 +123,7 @@ def time_decode(
 
 
 def decode_bytes(lens: list[int]) -> int:
-    return sum(lens) * HKV * D * 2 * 2
+    return sum(lens) * HKV * D * 2 * KV_DT.itemsize
 
 
 def extend_case(num_reqs: int, prefix: int, new: int, gen: torch.Generator):
@@ -211,10 +212,12 @@ def ragged_sweep(gen, ceiling: float, hq: int) -> None:
         return ms
 
     batches = workload_batches()
+    if KV_DT.itemsize == 1:
+        print("fp8 caches: the kernel runs blocks of twice the BLOCK_N below (_decode_block_n)", flush=True)
     total(batches, f"config {tk.DECODE_CONFIG}")
     total([sorted(lens, reverse=True) for lens in batches], "requests sorted by length, longest first")
     base = dict(tk.DECODE_CONFIG)
-    for block_n, warps, stages in [(128, 4, 2), (128, 4, 3), (64, 4, 4)]:
+    for block_n, warps, stages in [(128, 4, 2), (128, 4, 3), (64, 4, 4), (128, 4, 4), (256, 4, 2)]:
         tk.DECODE_CONFIG.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
         try:
             total(batches, f"config {tk.DECODE_CONFIG}")
@@ -229,7 +232,10 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--ragged", action="store_true", help="only the ragged-batch config sweep")
     parser.add_argument("--hq", type=int, default=16, help="query heads for --ragged (16: qwen3-0.6b)")
+    parser.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="decode caches' dtype")
     args = parser.parse_args()
+    global KV_DT
+    KV_DT = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
     name = torch.cuda.get_device_name(0)
     print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     gen = torch.Generator(device=DEV).manual_seed(0)

@@ -19,6 +19,7 @@ for s in ${STAGES:-tests offline latency}; do
     tests_kernels) stage tests_kernels 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_decode_kernels.py ;;
     tests_attn) stage tests_attn 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_attention.py ;;
     offline) stage offline 150 python benchmarks/offline_throughput.py ;;
+    offline_fp8) stage offline_fp8 150 python benchmarks/offline_throughput.py --kv-cache-dtype fp8 ;;
     offline_nofused) stage offline_nofused 150 env NANOSERVE_FUSED_SAMPLER=0 python benchmarks/offline_throughput.py ;;
     offline_noops) stage offline_noops 150 env NANOSERVE_TRITON_OPS=0 python benchmarks/offline_throughput.py ;;
     llama) stage offline_llama 200 python benchmarks/offline_throughput.py --model llama-3.1-8b ;;
@@ -27,7 +28,7 @@ for s in ${STAGES:-tests offline latency}; do
     prefix) stage prefix 400 python benchmarks/prefix_cache.py --model qwen3-0.6b --workloads ${PREFIX_WORKLOADS:-shared,random} $PREFIX_ARGS ;;
     prefix_llama) stage prefix_llama 400 python benchmarks/prefix_cache.py --model llama-3.1-8b ;;
     attention) stage attention 200 python benchmarks/attention.py ;;
-    ragged) stage ragged ${T_RAGGED:-300} python benchmarks/attention.py --ragged ;;
+    ragged) stage ragged ${T_RAGGED:-300} python benchmarks/attention.py --ragged $RAGGED_ARGS ;;
     gemm) stage gemm ${T_GEMM:-360} python benchmarks/gemm_decode.py $GEMM_ARGS ;;
     cascade) stage cascade ${T_CASCADE:-200} python benchmarks/cascade_decode.py $CASCADE_ARGS ;;
     tests_cascade) stage tests_cascade 300 python -m pytest -m gpu -q -p no:cacheprovider tests/test_cascade.py ;;

@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--peer", choices=["hf"], default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="fp8: float8 KV cache (the floor then counts its bytes)")
     ap.add_argument("--num-seqs", type=int, default=NUM_SEQS, help="fewer for a smoke run (no total check)")
     args = ap.parse_args()
 
@@ -128,6 +129,7 @@ def main() -> None:
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
         overlap_schedule=not args.no_overlap,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = llm.engine
     device = engine.device
@@ -153,7 +155,7 @@ def main() -> None:
     wbytes = weight_bytes(engine.runner.model)
     cfg = engine.model_config
     kv_per_token = KVCache.bytes_per_token(
-        cfg.num_layers, engine.runner.kv_cache.k[0].shape[2], cfg.head_dim, engine.dtype
+        cfg.num_layers, engine.runner.kv_cache.k[0].shape[2], cfg.head_dim, engine.kv_dtype
     )
     steps = max(max_tokens)
     kv_read = sum(sum(range(p, p + m)) for p, m in zip(map(len, prompts), max_tokens)) * kv_per_token
@@ -161,7 +163,8 @@ def main() -> None:
     graphs = engine.runner.graphs
     print(f"device: {device_name(device)}")
     print(
-        f"model {args.model} (dummy, {str(engine.dtype).removeprefix('torch.')}), {len(prompts)} seqs, "
+        f"model {args.model} (dummy, {str(engine.dtype).removeprefix('torch.')}, KV cache "
+        f"{str(engine.kv_dtype).removeprefix('torch.')}), {len(prompts)} seqs, "
         f"{total_prompt} prompt + {total_out} output tokens, max_model_len {args.max_model_len}, "
         f"graphs {'off' if graphs is None else f'1..{graphs.max_bs} ({graphs.capture_seconds:.1f} s, {graphs.memory_bytes / 2**30:.2f} GiB)'}, "
         f"overlap {'on' if engine.overlap else 'off'}"

@@ -2,7 +2,7 @@
 
 Owns: `EngineConfig` (frozen; every field validated on construction), the CLI flags that
 set it (`add_engine_args` / `engine_config_from_args`), and the resolution of "auto"
-choices (device, dtype). Limits that depend on the machine (KV pages from free memory)
+choices (device, dtype, KV cache dtype). Limits that depend on the machine (KV pages from free memory)
 are derived in one place, `nanoserve.engine.model_runner.plan_kv_capacity`.
 """
 
@@ -17,6 +17,13 @@ from nanoserve.models.registry import DEFAULT_MODEL
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+# KV cache storage: "auto" keeps the model's dtype; "fp8" stores float8 e4m3 values with no
+# scale (saturating at +-448, rounded to nearest even), as vLLM's fp8_e4m3 without
+# calibrated scales: half the bytes per token, so decode reads half and twice the tokens fit.
+# The tokens of one prefill chunk attend to each other's K/V before that rounding (the
+# Triton and FA2 kernels read them from the projection), to cached positions as stored.
+_KV_DTYPES = {"fp8": torch.float8_e4m3fn}
+_KV_DTYPE_ALIASES = {"fp8_e4m3": "fp8", "float8_e4m3fn": "fp8"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class EngineConfig:
     memory_fraction: float = 0.9  # CUDA: share of free memory after weights for the KV cache
     kv_cache_tokens: int | None = None  # explicit KV capacity in tokens (default on CPU: 1 GiB)
     kv_cache_gib: float | None = None  # explicit KV capacity in GiB
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (float8 e4m3, unscaled)
     attention_backend: str = "auto"  # auto | torch | triton
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -58,6 +66,8 @@ class EngineConfig:
 
         object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))
         need(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", f"must be auto or one of {sorted(_DTYPES)}")
+        object.__setattr__(self, "kv_cache_dtype", _KV_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype))
+        need(self.kv_cache_dtype in ("auto", *_KV_DTYPES), "kv_cache_dtype", "must be auto or fp8")
         need(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device", "must be auto, cpu or cuda")
         need(self.page_size >= 1, "page_size", "must be >= 1")
@@ -98,6 +108,10 @@ class EngineConfig:
             return torch.float32  # CPU half-precision matmuls are slow and less exact
         return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("float16", "bfloat16") else torch.bfloat16
 
+    def torch_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """What the KV cache stores, for a model computing in `model_dtype`."""
+        return model_dtype if self.kv_cache_dtype == "auto" else _KV_DTYPES[self.kv_cache_dtype]
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
@@ -113,6 +127,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-fraction", type=float, default=0.9)
     g.add_argument("--kv-cache-tokens", type=int, default=None)
     g.add_argument("--kv-cache-gib", type=float, default=None)
+    g.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"], help="fp8: float8 e4m3 KV cache"
+    )
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -142,6 +159,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         memory_fraction=args.memory_fraction,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_gib=args.kv_cache_gib,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         attention_backend=args.attention_backend,
         enable_prefix_caching=not args.no_prefix_cache,
         enforce_eager=args.enforce_eager,

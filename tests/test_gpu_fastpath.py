@@ -6,7 +6,8 @@ the same weights. bf16 rounding differs between kernels, so runs may part ways a
 tie: at least 95% of prompts must be identical, and where two runs diverge each one's token
 must be within the other's top-5 at that position (top-5 from the engine's logprobs, or
 transformers' logits). Padding to captured sizes (bs 3, 9, the largest graph, one more)
-equals eager; nothing leaks; the fused elementwise ops equal their plain versions.
+equals eager; nothing leaks; the fused elementwise ops equal their plain versions; an fp8
+KV cache gives the same tokens through the fast path as through the torch backend.
 """
 
 from __future__ import annotations
@@ -145,6 +146,21 @@ def test_triton_vs_torch_backend(results):
 def test_vs_transformers(results):
     compare(results["fast"], results["hf"], "graphs+overlap vs transformers", CROSS_KERNEL_MIN)
     compare(results["torch"], results["hf"], "torch attention vs transformers", CROSS_KERNEL_MIN)
+
+
+def test_fp8_kv_cache(results):
+    # The fp8 cache through the fast path (Triton, graphs, overlap) vs the torch backend over
+    # the same fp8 cache: the cross-kernel criterion. Against the bf16 cache the tokens part
+    # where the rounding moves a near tie: each token must stay in the other's top-5.
+    fp8 = make_llm(cuda_graph_max_bs=GRAPH_MAX_BS, kv_cache_dtype="fp8")
+    assert fp8.engine.runner.kv_cache.k[0].dtype == torch.float8_e4m3fn
+    fast = run(fp8, PROMPTS)
+    del fp8
+    fp8_torch = make_llm(attention_backend="torch", enforce_eager=True, overlap_schedule=False, kv_cache_dtype="fp8")
+    reference = run(fp8_torch, PROMPTS)
+    del fp8_torch
+    compare(fast, reference, "fp8 cache: graphs+overlap vs torch attention", CROSS_KERNEL_MIN)
+    compare(fast, results["fast"], "fp8 vs bf16 cache", 0.0)
 
 
 @pytest.mark.parametrize("bs", [3, 9, GRAPH_MAX_BS, GRAPH_MAX_BS + 1])

@@ -50,8 +50,9 @@ def make_case(
     device: str,
     seed: int,
     decode: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> Case:
-    """reqs: (prefix_len, new_len) per request."""
+    """reqs: (prefix_len, new_len) per request; the caches in `cache_dtype` (default: dtype)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     rng = random.Random(seed)
     pages_per_req = [-(-(p + n) // page_size) for p, n in reqs]
@@ -103,7 +104,8 @@ def make_case(
         t.view(total, -1, head_dim)
         for t in qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
     )
-    return Case(q, k, v, k_cache.to(device, dtype), v_cache.to(device, dtype), meta, head_dim**-0.5)
+    cache_dtype = cache_dtype or dtype
+    return Case(q, k, v, k_cache.to(device, cache_dtype), v_cache.to(device, cache_dtype), meta, head_dim**-0.5)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -164,6 +166,19 @@ def test_interp_decode_bf16_one_split():
 
     case = make_case([(n - 1, 1) for n in (3, 20)], 4, 4, 16, 4, torch.bfloat16, "cpu", seed=2, decode=True)
     check(case, tol=1e-2, backend=TritonAttentionBackend(max_splits=1))
+
+
+@interp
+@pytest.mark.parametrize("decode", [True, False])
+def test_interp_fp8_cache(decode):
+    # An fp8 KV cache: both backends attend over the same fp8 values, upcast. The new K/V are
+    # made fp8-representable first because Triton's interpreter rounds ties away from zero
+    # where torch (and the GPU's cvt.rn) round to even; the GPU test below stores raw values.
+    reqs = [(n - 1, 1) for n in (9, 40, 3)] if decode else [(21, 35), (0, 5), (16, 1)]
+    case = make_case(reqs, 4, 2, 32, 4, torch.bfloat16, "cpu", seed=5, decode=decode, cache_dtype=torch.float8_e4m3fn)
+    for t in (case.k, case.v):
+        t.copy_(t.to(torch.float8_e4m3fn))
+    check(case, tol=1e-2)
 
 
 @interp
@@ -261,6 +276,20 @@ def test_decode(shape):
 def test_decode_dtypes(dtype, head_dim):
     lens = [1, 700, 2100, 33]
     case = make_case([(n - 1, 1) for n in lens], 16, 4, head_dim, 16, dtype, "cuda", seed=11, decode=True)
+    check(case, tol=1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("decode", [True, False])
+def test_fp8_cache(decode):
+    # Raw bf16 K/V: check() asserts the kernel's fp8 bytes equal torch's cast; an extend's new
+    # tokens attend to each other unrounded in both backends.
+    rng = random.Random(21)
+    if decode:
+        reqs = [(n - 1, 1) for n in ragged(rng, 64, 1, 3000)]
+    else:
+        reqs = list(zip(ragged(rng, 8, 0, 2000), ragged(rng, 8, 1, 300)))
+    case = make_case(reqs, 16, 8, 128, 16, torch.bfloat16, "cuda", seed=22, decode=decode, cache_dtype=torch.float8_e4m3fn)
     check(case, tol=1e-2)
 
 

@@ -5,7 +5,8 @@ Each batch is handled the same way whether it is a prefill, an extend with a cac
 prefix or a decode: gather every request's K/V from its pages into a padded
 [B, max_seq_len] block, pad the queries to [B, max_query_len], and run SDPA with a mask
 that is causal with respect to each request's prefix and hides the padding.
-Uses host-side lengths, so it is for eager execution only.
+Uses host-side lengths, so it is for eager execution only. A cache narrower than q (fp8)
+is read upcast; a prefill's new tokens then use their own unrounded K/V (see config.py).
 """
 
 from __future__ import annotations
@@ -51,20 +52,26 @@ class TorchAttentionBackend(AttentionBackend):
         in_seq = key_pos[None, None, :] < meta.seq_lens.long()[:, None, None]
         self._mask = (causal & in_seq)[:, None]  # [B, 1, max_q, max_s]
         self._shape = (num_reqs, max_q)
+        self._new_key_pos = query_pos[self._valid_q]  # [T]: each new token's key position
+        self._is_decode = meta.is_decode
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         num_reqs, max_q = self._shape
         num_q_heads, head_dim = q.shape[1], q.shape[2]
         group = num_q_heads // k_cache.shape[2]
-        keys = gather_kv(k_cache, meta.page_table, meta.max_seq_len)
-        values = gather_kv(v_cache, meta.page_table, meta.max_seq_len)
+        keys = gather_kv(k_cache, meta.page_table, meta.max_seq_len).to(q.dtype)
+        values = gather_kv(v_cache, meta.page_table, meta.max_seq_len).to(q.dtype)
+        if k_cache.dtype != q.dtype and not self._is_decode:
+            # A narrower cache (fp8): a prefill's new tokens attend to each other's K/V as
+            # computed, before the cache's rounding, as the Triton and FA2 kernels do.
+            rows = self._valid_q.nonzero()[:, 0]
+            keys[rows, self._new_key_pos] = k
+            values[rows, self._new_key_pos] = v
         keys = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, S, D]
         values = values.transpose(1, 2).repeat_interleave(group, dim=1)
         padded_q = q.new_zeros(num_reqs, max_q, num_q_heads, head_dim)
         padded_q[self._valid_q] = q
-        out = F.scaled_dot_product_attention(
-            padded_q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=self._mask, scale=scale
-        )
+        out = F.scaled_dot_product_attention(padded_q.transpose(1, 2), keys, values, attn_mask=self._mask, scale=scale)
         out = out.transpose(1, 2)[self._valid_q]  # [T, Hq, D], rows in request order
         return out

@@ -9,12 +9,14 @@ Owns three kernels and the host functions that launch them:
 
 Conventions shared by all kernels (see base.py for the metadata invariants):
 - caches are [num_pages, page_size, num_kv_heads, head_dim] with the last three dims dense,
-  so cache slot s of head h starts at s * stride_slot + h * head_dim;
+  so cache slot s of head h starts at s * stride_slot + h * head_dim; their dtype may be
+  narrower than q's (fp8: `store_kv` rounds into it, the attention kernels upcast what they
+  read, to fp16 for 16-bit q, before any product);
 - softmax runs in base 2: logits are multiplied by scale * log2(e) once, and the log-sum-exp
   kept per split (`lse`) is in base 2 too;
-- accumulation is fp32 whatever the input dtype; P is cast to V's dtype before the PV product
-  (as FlashAttention does), so bf16/fp16 inputs use 16-bit tensor-core products, and fp32
-  inputs full-precision fp32 products (not tf32);
+- accumulation is fp32 whatever the input dtype; P is cast to q's dtype before the PV
+  product (as FlashAttention does), so bf16/fp16 inputs use 16-bit tensor-core products, and
+  fp32 inputs full-precision fp32 products (not tf32);
 - launchers read lengths and page tables from device tensors only (no host sync, no
   data-dependent allocation), so decode and store can be captured in CUDA graphs; grids depend
   only on host ints (batch size, head counts, split count, max query length).
@@ -116,7 +118,8 @@ def _attend_block(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+    # K and V are upcast to q's dtype first (an fp8 cache's values are exact in it).
+    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_F32)
     return m_new, l_i, acc
 
 
@@ -129,11 +132,23 @@ def _attend_pages(
     """Online softmax of a query tile over cache positions [lo, hi) of one request's pages
     (`table`: its page-table row; k_base / v_base: the caches offset to one kv head). Every
     kernel that reads K/V through a page table does it here."""
+    if k_base.dtype.element_ty.is_fp8() and q.dtype != tl.float32:
+        # fp8 cache: the products run in fp16, which fp8 converts to in one instruction per
+        # pair (to bf16 it takes several, and the kernel became ALU-bound: measured slower
+        # than a bf16 cache with twice the bytes). fp8 values are exact in fp16; q rounds.
+        q = q.to(tl.float16)
+    # Each block's page ids are loaded one iteration ahead (loop-carried), so that its K/V
+    # addresses never wait on a load issued in the same iteration (H200, one layer's decode
+    # over the offline workload's batches: 1,475-1,500 -> 1,438 us in bf16, 1,479 -> 1,276
+    # in fp8; `benchmarks/attention.py --ragged`).
+    pos = lo + tl.arange(0, BLOCK_N)
+    page = tl.load(table + pos // PAGE_SIZE, mask=pos < hi, other=0)
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < hi
-        page = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slot = page * PAGE_SIZE + pos % PAGE_SIZE
+        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        ahead = pos + BLOCK_N
+        page = tl.load(table + ahead // PAGE_SIZE, mask=ahead < hi, other=0)
         k = _load_tile(k_base + slot[:, None] * stride_kc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
         v = _load_tile(v_base + slot[:, None] * stride_vc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
         m_i, l_i, acc = _attend_block(
@@ -176,7 +191,7 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kc_slot, stride_vc_slot,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, TO_FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -188,8 +203,12 @@ def _store_kv_kernel(
         k = tl.load(k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
         v = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
         dst = h[:, None] * HEAD_DIM + d[None, :]
-        tl.store(k_cache_ptr + slot * stride_kc_slot + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + slot * stride_vc_slot + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        cache_ty = k_cache_ptr.dtype.element_ty
+        if TO_FP8:  # round to nearest even, saturating, as torch's cast
+            k = k.to(tl.float32).to(cache_ty, fp_downcast_rounding="rtne")
+            v = v.to(tl.float32).to(cache_ty, fp_downcast_rounding="rtne")
+        tl.store(k_cache_ptr + slot * stride_kc_slot + dst, k.to(cache_ty), mask=mask)
+        tl.store(v_cache_ptr + slot * stride_vc_slot + dst, v.to(cache_ty), mask=mask)
 
 
 def store_kv(
@@ -209,7 +228,7 @@ def store_kv(
         kc_slot, vc_slot,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        TO_FP8=k_cache.element_size() == 1, num_warps=4,
     )
 
 
@@ -319,8 +338,13 @@ def _decode_reduce_kernel(
 
 def _decode_block_n(cfg: dict[str, int], head_dim: int, x: torch.Tensor) -> int:
     """Tokens per K/V block: halved when a row is wider than 256 bytes (head_dim 256 in
-    16-bit, 128 in fp32) so that the pipelined tiles fit in shared memory."""
-    return cfg["BLOCK_N"] if head_dim * x.element_size() <= 256 else max(16, cfg["BLOCK_N"] // 2)
+    16-bit, 128 in fp32) so that the pipelined tiles fit in shared memory; doubled for an fp8
+    cache with rows of 128 bytes or fewer, keeping the bytes per block (H200, the offline
+    workload's decode batches, fp8: 1,241 vs 1,276 us, `benchmarks/attention.py --ragged`)."""
+    row = head_dim * x.element_size()
+    if x.element_size() == 1 and row <= 128:
+        return 2 * cfg["BLOCK_N"]
+    return cfg["BLOCK_N"] if row <= 256 else max(16, cfg["BLOCK_N"] // 2)
 
 
 def workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_cols: int) -> int:

@@ -61,10 +61,11 @@ class LLMEngine:
         model = build_model(
             source, config.load_format, self.dtype, self.device, config.seed, max_positions=wanted_len, tp=tp
         )
+        self.kv_dtype = config.torch_kv_dtype(self.dtype)
         plan = agree_kv_plan(
-            plan_kv_capacity(config, cfg, kv_heads_per_rank(cfg, model.tp), self.dtype, self.device), tp
+            plan_kv_capacity(config, cfg, kv_heads_per_rank(cfg, model.tp), self.kv_dtype, self.device), tp
         )
-        self.runner = wrap_runner(ModelRunner(config, model, plan, self.device, self.dtype), tp)
+        self.runner = wrap_runner(ModelRunner(config, model, plan, self.device, self.kv_dtype), tp)
         self.max_model_len = min(wanted_len, plan.num_tokens)
         self.model_config = cfg
         self.allocator = PageAllocator(plan.num_pages)
@@ -93,13 +94,14 @@ class LLMEngine:
         if self.device.type == "cuda" and tp.rank == 0:  # worker ranks follow rank 0's steps
             self._warm_up()
         log.info(
-            "nanoserve: %s on %s (%s), attention=%s, KV cache %d tokens (%d pages of %d, %.2f GiB), "
+            "nanoserve: %s on %s (%s), attention=%s, KV cache %d tokens (%s, %d pages of %d, %.2f GiB), "
             "prefix cache %s, max_model_len %d, ready in %.1f s",
             cfg.name,
             self.device,
             str(self.dtype).removeprefix("torch."),
             self.runner.backend.name,
             plan.num_tokens,
+            str(self.kv_dtype).removeprefix("torch."),
             plan.num_pages,
             plan.page_size,
             plan.num_pages * plan.page_size * plan.bytes_per_token / 2**30,

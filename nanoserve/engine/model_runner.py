@@ -67,7 +67,9 @@ def plan_kv_capacity(
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: DecoderLM, plan: KVPlan, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, config: EngineConfig, model: DecoderLM, plan: KVPlan, device: torch.device, kv_dtype: torch.dtype
+    ):
         self.config = config
         self.model = model
         self.device = device
@@ -79,7 +81,7 @@ class ModelRunner:
             plan.page_size,
             kv_heads_per_rank(cfg, model.tp),
             cfg.head_dim,
-            dtype,
+            kv_dtype,
             device,
         )
         self.backend = get_backend(config.attention_backend, device, max_num_reqs=config.max_num_seqs)
