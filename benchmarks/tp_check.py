@@ -14,8 +14,8 @@ is measured in full, the others for greedy agreement only:
 - batch-1 time per output token (128-token prompt; TPOT = (time for 65 tokens - time for
   1 token) / 64, median of 3).
 With --variant KEY=VAL[,KEY=VAL] (repeatable), TP=N runs once more per variant, last, with
-those environment settings, measured like the first dtype's (e.g. NANOSERVE_TP_REDUCE_FP32=0:
-bf16 partial sums). With --symm-off-too, TP=N runs once more with NANOSERVE_SYMM_MEM=0 (NCCL for every
+those environment settings, measured like the first dtype's (e.g. NANOSERVE_TP_REDUCE_FP32=1:
+fp32 partial sums). With --symm-off-too, TP=N runs once more with NANOSERVE_SYMM_MEM=0 (NCCL for every
 all-reduce: the slow twin of the opt-in symmetric-memory all-reduce of the decode graphs, which
 the first runs use when NANOSERVE_SYMM_MEM=1 is set, as tp_session.sh does), measured
 like the first dtype's, so both paths' speed comes from one session.

@@ -33,8 +33,9 @@ Invariants:
   again before it returns, so the next call may overwrite the buffer. Calls are therefore
   serial on the current stream, in the same order on every rank, like NCCL's.
 - The sum is the same bits on every rank (same operands, same order), and for 2 ranks it is
-  exactly NCCL's: a + b with one rounding in the tensor's dtype. Row-parallel fp32 partials
-  stay fp32 through the sum and are rounded once afterwards by the caller (models/layers.py).
+  exactly NCCL's: a + b with one rounding in the tensor's dtype. Row-parallel partials are
+  summed in the model dtype, or with NANOSERVE_TP_REDUCE_FP32=1 in fp32 and rounded once
+  afterwards by the caller (models/layers.py).
 - The result is a new tensor from the current allocator (the graph's pool under capture);
   the input is not modified.
 - NVLink multicast is never used: TORCH_SYMM_MEM_DISABLE_MULTICAST defaults to 1 here (the
