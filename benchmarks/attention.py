@@ -217,7 +217,10 @@ def ragged_sweep(gen, ceiling: float, hq: int) -> None:
     total(batches, f"config {tk.DECODE_CONFIG}")
     total([sorted(lens, reverse=True) for lens in batches], "requests sorted by length, longest first")
     base = dict(tk.DECODE_CONFIG)
-    for block_n, warps, stages in [(128, 4, 2), (128, 4, 3), (64, 4, 4), (128, 4, 4), (256, 4, 2)]:
+    configs = [(128, 4, 2), (128, 4, 3), (64, 4, 4), (128, 4, 4), (256, 4, 2)]
+    if KV_DT.itemsize == 1:  # BLOCK_N is doubled for fp8 caches: these are 64-256 token blocks
+        configs = [(64, 8, 3), (64, 8, 4), (128, 8, 3), (32, 4, 3), (64, 4, 4), (64, 4, 2), (32, 8, 3)]
+    for block_n, warps, stages in configs:
         tk.DECODE_CONFIG.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
         try:
             total(batches, f"config {tk.DECODE_CONFIG}")
