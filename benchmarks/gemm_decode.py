@@ -49,8 +49,10 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attention import copy_ceiling, graph_ms
 
+from nanoserve import triton_pdl
 from nanoserve.models import triton_ops
-from nanoserve.models.triton_ops import DOT_F32, LinearConfig, gdc_launch_dependents, gdc_wait
+from nanoserve.models.triton_ops import DOT_F32, LinearConfig
+from nanoserve.triton_pdl import gdc_launch_dependents, gdc_wait
 
 DT = torch.bfloat16
 # (label, N, K) of the weights [N, K]; layer count; the decoder-layer shapes repeat per layer.
@@ -148,7 +150,7 @@ def launch(cfg: Cfg, x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out: to
     only compile (the same arguments, so the same cache keys as the real launches)."""
     M, K = x.shape
     N = w.shape[0]
-    opts = triton_ops._launch_options(x.device)
+    opts = triton_pdl.launch_options(x.device)
     if cfg.kind == "dot":
         if not warmup:
             lc = LinearConfig("dot", cfg.bm, cfg.bn, cfg.bk, cfg.warps, cfg.stages)
@@ -427,7 +429,7 @@ def main() -> None:
         shapes = [s for s in shapes if s[0] in args.shapes]
     device = torch.cuda.get_device_name(0)
     print(f"device: {device}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    print(f"default BLAS: {torch.backends.cuda.preferred_blas_library()}, PDL {triton_ops.PDL}, "
+    print(f"default BLAS: {torch.backends.cuda.preferred_blas_library()}, PDL {triton_pdl.PDL}, "
           f"L2 {torch.cuda.get_device_properties(0).L2_cache_size / 2**20:.0f} MiB", flush=True)  # fmt: skip
     start = time.perf_counter()
     ceiling = copy_ceiling()

@@ -18,7 +18,7 @@ together exceed L2 several times (as decode streams every layer's weights from m
 Each config's output is checked against F.linear first.
 
 --pdl off on: repeat the default profile with programmatic dependent launch of the Triton
-decode kernels off and on (triton_ops.PDL).
+decode kernels off and on (nanoserve.triton_pdl.PDL).
 
 --min-split-tokens N [N ...]: repeat the default profile with the Triton attention's
 shortest decode split overridden (attention/triton_kernels.py MIN_SPLIT_TOKENS).
@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, SamplingParams, triton_pdl
 from nanoserve.attention import triton_kernels as tk
 from nanoserve.models import layers
 
@@ -89,7 +89,7 @@ def device_us(evt) -> float:
 
 def profile_batch1(name: str, ops_on: bool, min_split: int | None = None, pdl: bool = True, steps: int = 20) -> dict:
     layers.TRITON_OPS = ops_on
-    layers.triton_ops().PDL = pdl
+    triton_pdl.PDL = pdl
     if min_split is not None:  # an experiment on the attention backend's decode split policy
         tk.MIN_SPLIT_TOKENS = min_split
     llm = LLM(name, load_format="dummy", max_model_len=1024, kv_cache_tokens=16384, max_num_seqs=8)
@@ -325,7 +325,7 @@ def main() -> None:
     ap.add_argument("--ops", nargs="+", choices=["off", "on"], default=["off", "on"])
     ap.add_argument("--min-split-tokens", type=int, nargs="+", default=[None],
                     help="override the Triton attention's shortest decode split (an experiment)")  # fmt: skip
-    ap.add_argument("--pdl", nargs="+", choices=["off", "on"], default=["on"], help="triton_ops.PDL settings")
+    ap.add_argument("--pdl", nargs="+", choices=["off", "on"], default=["on"], help="nanoserve.triton_pdl.PDL settings")
     ap.add_argument("--gemv", action="store_true", help="run the small-M linear sweep instead")
     ap.add_argument("--gemv-models", nargs="+", default=list(SHAPES))
     ap.add_argument("--json", help="with --gemv: write every timing to this file")

@@ -228,11 +228,12 @@ def test_gpu_graph_replay_chain(pdl):
     each kernel starts before the previous one ends): every replay on fresh inputs equals
     the torch reference of those inputs (a kernel reading its input too early would see
     the previous replay's values) and an eager call bit for bit."""
+    from nanoserve import triton_pdl
     from nanoserve.models import triton_ops
     from nanoserve.models.layers import add_rms_norm_plain
 
     dev = "cuda"
-    old, triton_ops.PDL = triton_ops.PDL, pdl
+    old, triton_pdl.PDL = triton_pdl.PDL, pdl
     try:
         h = torch.randn(1, 1024, device=dev).bfloat16()
         res = torch.randn(1, 1024, device=dev).bfloat16()
@@ -269,7 +270,7 @@ def test_gpu_graph_replay_chain(pdl):
             for a, b in zip(outs, step()):
                 assert torch.equal(a, b), f"replay {trial} differs from eager"
     finally:
-        triton_ops.PDL = old
+        triton_pdl.PDL = old
 
 
 @gpu

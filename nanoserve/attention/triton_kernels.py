@@ -19,7 +19,10 @@ Conventions shared by all kernels (see base.py for the metadata invariants):
   fp32 inputs full-precision fp32 products (not tf32);
 - launchers read lengths and page tables from device tensors only (no host sync, no
   data-dependent allocation), so decode and store can be captured in CUDA graphs; grids depend
-  only on host ints (batch size, head counts, split count, max query length).
+  only on host ints (batch size, head counts, split count, max query length);
+- the store, decode split and reduce kernels launch with programmatic dependent launch where
+  the GPU has it, and wait for the previous kernel before their first read
+  (nanoserve/triton_pdl.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import triton.language as tl
 
 from nanoserve.attention.base import CascadeInputs
 from nanoserve.attention.cascade import ITEM_FIELDS, MAX_CASCADE_PARTS
+from nanoserve.triton_pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 LOG2E = 1.4426950408889634
 
@@ -191,8 +195,11 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kc_slot, stride_vc_slot,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, TO_FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, TO_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # launched early (nanoserve/triton_pdl.py): wait before reading anything
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # a negative slot marks a token whose K/V must not be kept
@@ -228,7 +235,7 @@ def store_kv(
         kc_slot, vc_slot,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        TO_FP8=k_cache.element_size() == 1, num_warps=4,
+        TO_FP8=k_cache.element_size() == 1, num_warps=4, **launch_options(k.device),
     )
 
 
@@ -259,7 +266,12 @@ def _decode_split_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_SPLIT: tl.constexpr, DIRECT: tl.constexpr, HAS_START: tl.constexpr, DOT_F32: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # launched early (nanoserve/triton_pdl.py): wait before reading anything
+        gdc_launch_dependents()
+        gdc_wait()
+
     # One program = one (request, kv head, split): the GROUP query heads sharing the kv head
     # are the rows of one tile, so each K/V block is loaded once for the whole group.
     # With HAS_START (cascade), a request's positions before kv_start[b] are another
@@ -310,7 +322,12 @@ def _decode_reduce_kernel(
     stride_ot, stride_oh, num_splits, num_cols,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_CASCADE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # launched early (nanoserve/triton_pdl.py): wait before reading anything
+        gdc_launch_dependents()
+        gdc_wait()
+
     # Merges a (request, head)'s partial results: the split kernel's active splits (columns
     # 0..), and with HAS_CASCADE the prefix kernel's num_parts[b] (columns num_splits..).
     b = tl.program_id(0)
@@ -403,7 +420,7 @@ def paged_decode(
         NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct, HAS_START=cascade is not None,
-        DOT_F32=DOT_F32, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
+        DOT_F32=DOT_F32, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache), **launch_options(q.device),
     )  # fmt: skip
     if cascade is not None:
         assert cascade.items.shape[1] == len(ITEM_FIELDS)
@@ -425,7 +442,7 @@ def paged_decode(
             out.stride(0), out.stride(1), num_splits, num_cols,
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_S=triton.next_power_of_2(num_cols), BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS,
-            HAS_CASCADE=cascade is not None, num_warps=4,
+            HAS_CASCADE=cascade is not None, num_warps=4, **launch_options(q.device),
         )  # fmt: skip
     return out
 

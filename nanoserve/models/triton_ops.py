@@ -1,7 +1,8 @@
 """Triton kernels for the decode hot path of the decoder's layers.
 
-Owns four kernels, their launchers, the rule that decides when the small-M linear is used,
-and the programmatic-dependent-launch (PDL) switch:
+Owns four kernels, their launchers and the rule that decides when the small-M linear is
+used; the kernels launch with programmatic dependent launch where the GPU has it
+(nanoserve/triton_pdl.py):
 - `small_m_linear(x, weight, bias, config)`: y = x W^T (+ b) for a few rows of x (decode
   batches). At M = 1..8 cuBLAS picks tiles made for large M and reaches a fraction of the
   memory bandwidth on small matrices; these kernels stream W once with wide loads:
@@ -24,9 +25,9 @@ Invariants:
   kernel repeats so that both paths agree within one bf16 rounding;
 - launchers read no device data on the host and allocate only outputs whose shapes come
   from the inputs' shapes, so they can be captured in CUDA graphs;
-- on Hopper and later every kernel is launched with programmatic dependent launch (see
-  `PDL`): before its `gdc_wait` a kernel reads only weights and writes nothing, so starting
-  it while the previous kernel still runs never changes a result;
+- on Hopper and later every kernel is launched with programmatic dependent launch
+  (nanoserve/triton_pdl.py): before its `gdc_wait` a kernel reads only weights and writes
+  nothing, so starting it while the previous kernel still runs never changes a result;
 - `small_m_linear` needs x with a dense last dim and W with dense rows ([N, K], as
   nn.Linear stores it); `linear_config` returns None otherwise, so callers fall back to
   F.linear. A bias is added in fp32 before the one rounding (as cuBLAS's epilogue).
@@ -35,61 +36,18 @@ Invariants:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from nanoserve.triton_pdl import gdc_launch_dependents, gdc_wait, launch_options
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Triton's interpreter computes bf16 tl.dot wrongly (see attention/triton_kernels.py): under the
 # interpreter the dot kernel upcasts its operands to fp32. Compiled kernels never do.
 DOT_F32 = INTERPRET
-
-try:  # grid-dependency control for programmatic dependent launch (PDL, Hopper and later)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    HAS_GDC = True
-except ImportError:  # an older Triton: the kernels never take the PDL branches
-    HAS_GDC = False
-
-    @triton.jit
-    def gdc_wait():
-        pass
-
-    @triton.jit
-    def gdc_launch_dependents():
-        pass
-
-
-# Programmatic dependent launch (Hopper and later): every kernel here is launched so that it
-# may start while the previous kernel in the stream (or CUDA graph) is still running; it waits
-# (`gdc_wait`) before it reads anything that kernel may have written, and until then only
-# touches weights (never written during a forward): the small-M linear pulls its first weight
-# tile into L2, hiding its ramp-up. Each kernel also lets the next one launch early
-# (`gdc_launch_dependents`); that one still waits for this one to complete before reading
-# its output. Measured on an H200 (batch-1 decode step, benchmarks/profile_decode.py --pdl off
-# on): qwen3-0.6b 1.003 -> 0.958 ms, llama-3.1-8b 4.363 -> 4.256 ms. NANOSERVE_PDL=0: off.
-PDL = os.environ.get("NANOSERVE_PDL", "1") != "0"
-_pdl_supported: dict[int, bool] = {}
-
-
-def _pdl(device: torch.device) -> bool:
-    if not PDL or INTERPRET or not HAS_GDC or device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _pdl_supported:
-        from triton.backends.nvidia.compiler import CUDAOptions
-
-        has_option = any(f.name == "launch_pdl" for f in fields(CUDAOptions))
-        _pdl_supported[index] = has_option and torch.cuda.get_device_capability(index)[0] >= 9
-    return _pdl_supported[index]
-
-
-def _launch_options(device: torch.device) -> dict:
-    """The kernels' USE_PDL constexpr and, when on, Triton's launch_pdl option."""
-    return {"USE_PDL": True, "launch_pdl": True} if _pdl(device) else {"USE_PDL": False}
-
 
 @dataclass(frozen=True)
 class LinearConfig:
@@ -235,7 +193,7 @@ def small_m_linear(
         "EVEN_K": K % c.block_k == 0,
         "num_warps": c.num_warps,
         "num_stages": c.num_stages,
-        **_launch_options(x.device),
+        **launch_options(x.device),
     }
     if c.kernel == "fma":
         line = min(c.block_k, 128 // weight.element_size())  # elements per 128-byte line
@@ -389,7 +347,7 @@ def qk_norm_rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_dim,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h, Q_BLOCKS=q_blocks, HAS_NORM=has_norm,
-        num_warps=1 if half * block_h <= 256 else 4, **_launch_options(q.device),
+        num_warps=1 if half * block_h <= 256 else 4, **launch_options(q.device),
     )  # fmt: skip
     return q_out, k_out
 
@@ -437,6 +395,6 @@ def rms_norm(
         _rms_norm_kernel[(tokens,)](
             x, r, weight, out, total, x.stride(0), r.stride(0), out.stride(0), total.stride(0), eps,
             N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 256)),
-            **_launch_options(x.device),
+            **launch_options(x.device),
         )  # fmt: skip
     return out if residual is None else (out, total)
