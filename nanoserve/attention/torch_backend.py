@@ -52,8 +52,7 @@ class TorchAttentionBackend(AttentionBackend):
         in_seq = key_pos[None, None, :] < meta.seq_lens.long()[:, None, None]
         self._mask = (causal & in_seq)[:, None]  # [B, 1, max_q, max_s]
         self._shape = (num_reqs, max_q)
-        self._new_key_pos = query_pos[self._valid_q]  # [T]: each new token's key position
-        self._is_decode = meta.is_decode
+        self._new_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # see forward
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
@@ -62,12 +61,14 @@ class TorchAttentionBackend(AttentionBackend):
         group = num_q_heads // k_cache.shape[2]
         keys = gather_kv(k_cache, meta.page_table, meta.max_seq_len).to(q.dtype)
         values = gather_kv(v_cache, meta.page_table, meta.max_seq_len).to(q.dtype)
-        if k_cache.dtype != q.dtype and not self._is_decode:
+        if k_cache.dtype != q.dtype and not meta.is_decode:
             # A narrower cache (fp8): a prefill's new tokens attend to each other's K/V as
             # computed, before the cache's rounding, as the Triton and FA2 kernels do.
-            rows = self._valid_q.nonzero()[:, 0]
-            keys[rows, self._new_key_pos] = k
-            values[rows, self._new_key_pos] = v
+            if self._new_keys is None:  # (request, key position) of each new token, once per batch
+                rows, offsets = self._valid_q.nonzero(as_tuple=True)
+                self._new_keys = (rows, meta.prefix_lens.long()[rows] + offsets)
+            keys[self._new_keys] = k
+            values[self._new_keys] = v
         keys = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, S, D]
         values = values.transpose(1, 2).repeat_interleave(group, dim=1)
         padded_q = q.new_zeros(num_reqs, max_q, num_q_heads, head_dim)
