@@ -1,7 +1,7 @@
-"""Decode-GEMM benchmark (run on a GPU machine): cuBLAS vs cuBLASLt vs Triton tensor-core kernels.
+"""Decode-GEMM benchmark (run on a GPU machine): cuBLAS vs cuBLASLt vs the engine's Triton kernels.
 
     PYTHONUNBUFFERED=1 python benchmarks/gemm_decode.py [--model qwen3|llama] [--ms 16 32 ...]
-        [--shapes qkv lm_head] [--full] [--jobs 16]
+        [--shapes qkv lm_head] [--full] [--no-sweep] [--jobs 16]
     TRITON_INTERPRET=1 python benchmarks/gemm_decode.py --smoke     # CPU check of the kernels
 
 For each weight shape [N, K] (bf16) of a model's decoder layer and LM head and each decode
@@ -10,22 +10,22 @@ calls that rotate over distinct weight copies together larger than 4x the L2, so
 streams its weights from HBM (median of 20 replays, `attention.graph_ms`). Methods:
 - cuBLAS and cuBLASLt: F.linear under `torch.backends.cuda.preferred_blas_library("cublas")`
   and ("cublaslt") (the default, printed first, may pick either by heuristics);
-- Triton, a small config sweep (`candidates`) of three kernels, each checked against F.linear
-  (max abs difference over max abs output < 2e-2, else a FAIL line and the config is skipped):
-  * "dot": `triton_ops.small_m_linear`'s tensor-core kernel (the engine's; no split-K);
-  * "split<S>": split-K here, S programs along K each store fp32 partials into a workspace
-    [S, M, N]; a second kernel sums them in split order and rounds once (deterministic);
-  * "atomic2": 2 splits `tl.atomic_add` into a zeroed fp32 [M, N], then a cast kernel; exact
-    and deterministic for 2 splits only (0 + a + b == 0 + b + a); the zeroing and the cast are
-    timed with it.
+- the engine's rule: what `layers.linear` runs for this shape (`triton_ops.linear_config`:
+  a Triton config, or cuBLAS under the default library where the rule returns None);
+- unless --no-sweep, a config sweep (`candidates`) of `triton_ops.small_m_linear`'s
+  tensor-core kernel, the engine's own launches, each checked against F.linear first (max abs
+  difference over max abs output < 2e-2, else a FAIL line and the config is skipped):
+  * "dot": no split;
+  * "split<S>": split-K, S programs along K each store fp32 partials into a workspace
+    [S, M, N]; a second kernel sums them in split order and rounds once (deterministic).
 Per call it reports µs, weight TB/s (N*K*2 bytes over time), TFLOP/s (2*M*N*K over time) and
 the floor (weight bytes over the copy ceiling: a 1 GiB device-to-device copy, read + write).
 The Triton kernels compile up front in a thread pool (Triton's AsyncCompileMode, when present).
 They launch with programmatic dependent launch as the engine's do (NANOSERVE_PDL=0: without).
 At the end a markdown table per (shape, M) and the GEMM time per decode step (layers x
 (qkv + o + gate_up + down) + lm_head) per method, also written to $OUT/gemm_decode.md.
---smoke (CPU, TRITON_INTERPRET=1): the split-K and atomic kernels against F.linear on tiny
-shapes, split-2 == atomic-2 bit for bit, repeat runs bit-identical, and the sweep's config counts.
+--smoke (CPU, TRITON_INTERPRET=1): the kernels against F.linear on tiny shapes for 1-4 splits,
+repeat runs bit-identical, and the sweep's config counts.
 """
 
 from __future__ import annotations
@@ -44,15 +44,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attention import copy_ceiling, graph_ms
 
 from nanoserve import triton_pdl
 from nanoserve.models import triton_ops
-from nanoserve.models.triton_ops import DOT_F32, LinearConfig
-from nanoserve.triton_pdl import gdc_launch_dependents, gdc_wait
+from nanoserve.models.triton_ops import LinearConfig
 
 DT = torch.bfloat16
 # (label, N, K) of the weights [N, K]; layer count; the decoder-layer shapes repeat per layer.
@@ -63,130 +61,29 @@ MODELS: dict[str, tuple[int, list[tuple[str, int, int]]]] = {
                    ("down", 4096, 14336), ("lm_head", 128256, 4096)]),
 }  # fmt: skip
 BMS, BNS, BKS, WARPS, STAGES = (16, 32, 64, 128), (32, 64, 128), (64, 128), (4, 8), (3, 4)
-VARIANTS = (("dot", 1), ("split", 2), ("split", 4), ("atomic", 2))
+SPLITS = (1, 2, 4)
 SMEM_LIMIT = 200 * 1024  # bytes of pipelined x and W tiles; H200 has 227 KB per block
 MIN_PROGRAMS, MAX_PROGRAMS = 32, 4096
 TOL = 2e-2
-SUM_BLOCK = 1024
 
 
-@dataclass(frozen=True)
-class Cfg:
-    kind: str  # "dot" (triton_ops, no split), "split" (workspace + ordered sum), "atomic" (2 splits)
-    bm: int
-    bn: int
-    bk: int
-    warps: int
-    stages: int
-    split: int = 1
-
-    def __str__(self) -> str:
-        name = self.kind if self.kind == "dot" else f"{self.kind}{self.split}"
-        return f"{name} m{self.bm} n{self.bn} k{self.bk} w{self.warps} s{self.stages}"
+def describe(c: LinearConfig) -> str:
+    name = "dot" if c.split_k == 1 else f"split{c.split_k}"
+    return f"{name} m{c.block_m} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
 
 
-# ------------------------------------------------------------------------------ kernels
-
-
-@triton.jit(do_not_specialize=["atomic"])
-def _splitk_kernel(
-    x_ptr, w_ptr, ws_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, atomic,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """Program (n, m, s): the fp32 partial of output tile (m, n) over K[s*K_SPLIT, (s+1)*K_SPLIT)
-    (K_SPLIT a multiple of BLOCK_K), stored to ws[s] ([M, N] dense), or atomically added to
-    ws[0] when `atomic` (a runtime flag: one compile serves both)."""
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)
-    rk = split * K_SPLIT + tl.arange(0, BLOCK_K)
-    rn_in = tl.minimum(rn, N - 1).to(tl.int64)  # columns past N re-read the last row, never stored
-    m_mask = rm < M
-    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
-    w_ptrs = w_ptr + rn_in[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N] view of W^T
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K_SPLIT, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs)
-        else:
-            k_mask = (rk + k0) < K
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong (see triton_ops.DOT_F32)
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    mask = m_mask[:, None] & (rn[None, :] < N)
-    offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
-    if atomic != 0:
-        tl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
-    else:
-        tl.store(ws_ptr + split.to(tl.int64) * M * N + offs, acc, mask=mask)
-
-
-@triton.jit
-def _sum_splits_kernel(ws_ptr, y_ptr, numel, splits, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """y = ws[0] + ws[1] + ... + ws[splits - 1] in that order, rounded once to y's dtype."""
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, splits):
-        acc += tl.load(ws_ptr + s * numel + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def launch(cfg: Cfg, x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out: torch.Tensor, warmup: bool = False):
-    """out [M, N] (dense) = x W^T with `cfg`; ws: fp32, >= split * M * N elements. With `warmup`
-    only compile (the same arguments, so the same cache keys as the real launches)."""
-    M, K = x.shape
-    N = w.shape[0]
-    opts = triton_pdl.launch_options(x.device)
-    if cfg.kind == "dot":
-        if not warmup:
-            lc = LinearConfig("dot", cfg.bm, cfg.bn, cfg.bk, cfg.warps, cfg.stages)
-            triton_ops.small_m_linear(x, w, None, lc, out=out)
-            return
-        # small_m_linear's launch, arguments for arguments, to compile ahead
-        args = (x, w, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0))
-        triton_ops._linear_dot_kernel.warmup(
-            *args, HAS_BIAS=False, BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, EVEN_K=K % cfg.bk == 0,
-            num_warps=cfg.warps, num_stages=cfg.stages, UPCAST=DOT_F32, grid=(1,), **opts,
-        )  # fmt: skip
-        return
-    atomic = cfg.kind == "atomic"
-    k_split = triton.cdiv(triton.cdiv(K, cfg.split), cfg.bk) * cfg.bk
-    grid = (triton.cdiv(N, cfg.bn), triton.cdiv(M, cfg.bm), cfg.split)
-    args = (x, w, ws, M, N, K, k_split, x.stride(0), w.stride(0), int(atomic))
-    kw = dict(
-        BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, EVEN_K=K % (cfg.bk * cfg.split) == 0, UPCAST=DOT_F32,
-        num_warps=cfg.warps, num_stages=cfg.stages, **opts,
-    )  # fmt: skip
-    sum_args = (ws, out, M * N, 1 if atomic else cfg.split)
-    sum_grid = (triton.cdiv(M * N, SUM_BLOCK),)
+def launch(cfg: LinearConfig, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, warmup: bool = False) -> None:
+    """out [M, N] (dense) = x W^T with the engine's kernels; with `warmup` only compile them."""
     if warmup:
-        _splitk_kernel.warmup(*args, grid=grid, **kw)
-        _sum_splits_kernel.warmup(*sum_args, BLOCK=SUM_BLOCK, num_warps=4, grid=sum_grid, **opts)
-        return
-    if atomic:
-        ws[: M * N].zero_()
-    _splitk_kernel[grid](*args, **kw)
-    _sum_splits_kernel[sum_grid](*sum_args, BLOCK=SUM_BLOCK, num_warps=4, **opts)
+        triton_ops.compile_linear(x, w, None, cfg, out)
+    else:
+        triton_ops.small_m_linear(x, w, None, cfg, out=out)
 
 
 # ------------------------------------------------------------------------------ sweep
 
 
-def candidates(M: int, N: int, K: int, full: bool = False) -> list[Cfg]:
+def candidates(M: int, N: int, K: int, full: bool = False) -> list[LinearConfig]:
     """The configs timed for one (M, N, K). Always: BLOCK_M in [16, next_pow2(M)], pipelined tiles
     within SMEM_LIMIT, 32..4096 programs (fewer leave SMs idle, more re-read W too often), K
     covers every split. Unless `full`: only the two largest BLOCK_M, 8 warps only on tiles of
@@ -195,7 +92,7 @@ def candidates(M: int, N: int, K: int, full: bool = False) -> list[Cfg]:
     if not full:
         bms = bms[-2:]
     out = []
-    for bm, bn, bk, warps, stages, (kind, split) in itertools.product(bms, BNS, BKS, WARPS, STAGES, VARIANTS):
+    for bm, bn, bk, warps, stages, split in itertools.product(bms, BNS, BKS, WARPS, STAGES, SPLITS):
         tile = bm * bn
         if not full and (tile < 4096 if warps == 8 else tile > 8192):
             continue
@@ -203,20 +100,17 @@ def candidates(M: int, N: int, K: int, full: bool = False) -> list[Cfg]:
         if (bm + bn) * bk * 2 * stages > SMEM_LIMIT or bk * split > K:
             continue
         if MIN_PROGRAMS <= programs <= MAX_PROGRAMS:
-            out.append(Cfg(kind, bm, bn, bk, warps, stages, split))
+            out.append(LinearConfig("dot", bm, bn, bk, warps, stages, split))
     return out
 
 
-def compile_keys(cfgs: list[Cfg], K: int) -> set[tuple]:
-    """What distinguishes compiled kernels among `cfgs` (split count and atomic are runtime)."""
-    keys = set()
-    for c in cfgs:
-        even = K % c.bk == 0 if c.kind == "dot" else K % (c.bk * c.split) == 0
-        keys.add(("dot" if c.kind == "dot" else "split", c.bm, c.bn, c.bk, c.warps, c.stages, even))
-    return keys
+def compile_keys(cfgs: list[LinearConfig], K: int) -> set[tuple]:
+    """What distinguishes the compiled product kernels among `cfgs` (the sum kernels: one per
+    split count)."""
+    return {(c, K % (c.block_k * c.split_k) == 0) for c in cfgs}
 
 
-def precompile(plan: list[tuple[int, int, int, list[Cfg]]], jobs: int) -> None:
+def precompile(plan: list[tuple[int, int, int, list[LinearConfig]]], jobs: int) -> None:
     """Compile every config of `plan` ((M, N, K, configs)) ahead, `jobs` at a time where Triton
     has AsyncCompileMode (its signature varies across versions; serially otherwise). Failures
     are printed and come back, one line per config, when the sweep launches it."""
@@ -239,14 +133,12 @@ def precompile(plan: list[tuple[int, int, int, list[Cfg]]], jobs: int) -> None:
                     x = torch.empty(M, K, device="cuda", dtype=DT)
                     w = torch.empty(N, K, device="cuda", dtype=DT)
                     out = torch.empty(M, N, device="cuda", dtype=DT)
-                    ws = torch.empty(
-                        max((c.split for c in cfgs), default=1) * M * N, device="cuda", dtype=torch.float32
-                    )
                     for cfg in cfgs:
                         try:
-                            launch(cfg, x, w, ws, out, warmup=True)
+                            launch(cfg, x, w, out, warmup=True)
                         except Exception as exc:  # noqa: BLE001 - a config the compiler rejects
-                            print(f"  compile error {cfg}: {type(exc).__name__}: {str(exc).strip()[:120]}", flush=True)
+                            msg = f"{type(exc).__name__}: {str(exc).strip()[:120]}"
+                            print(f"  compile error {describe(cfg)}: {msg}", flush=True)
         except Exception as exc:  # noqa: BLE001 - the rest compile at their first launch
             print(f"  precompile stopped: {type(exc).__name__}: {str(exc).strip()[:120]}", flush=True)
     how = f"{jobs} threads" if parallel else "serially"
@@ -273,7 +165,9 @@ class Row:
     floor_us: float
     cublas_us: float
     cublaslt_us: float
-    triton_us: float
+    rule_us: float  # what layers.linear runs: the rule's Triton config, or F.linear
+    rule_cfg: str
+    triton_us: float  # best of the sweep (nan with --no-sweep)
     triton_cfg: str
 
 
@@ -285,17 +179,19 @@ def per_call(us: float, N: int, K: int, M: int) -> str:
     return f"{us:7.2f} us {N * K * 2 / us / 1e6:5.2f} TB/s {2 * M * N * K / us / 1e6:6.1f} TF"
 
 
-def sweep_shape(label: str, N: int, K: int, ms: list[int], full: bool, ceiling: float) -> list[Row]:
+def sweep_shape(label: str, N: int, K: int, ms: list[int], sweep: bool, full: bool, ceiling: float) -> list[Row]:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     nbytes = N * K * 2
     copies = min(64, max(2, math.ceil(4 * l2 / nbytes)))
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = [torch.randn(N, K, device="cuda", dtype=DT, generator=gen).mul_(K**-0.5) for _ in range(copies)]
     print(f"\n## {label} N={N} K={K}: {copies} weight copies ({copies * nbytes / 2**20:.0f} MiB)", flush=True)
-    return [sweep_m(label, M, weights, gen, full, nbytes / ceiling / 1e6) for M in ms]
+    return [sweep_m(label, M, weights, gen, sweep, full, nbytes / ceiling / 1e6) for M in ms]
 
 
-def sweep_m(label: str, M: int, weights: list[torch.Tensor], gen: torch.Generator, full: bool, floor: float) -> Row:
+def sweep_m(
+    label: str, M: int, weights: list[torch.Tensor], gen: torch.Generator, sweep: bool, full: bool, floor: float
+) -> Row:
     N, K = weights[0].shape
     dev = weights[0].device
     x = torch.randn(M, K, device=dev, dtype=DT, generator=gen)
@@ -312,27 +208,41 @@ def sweep_m(label: str, M: int, weights: list[torch.Tensor], gen: torch.Generato
             print(f"  FAIL cuBLASLt M={M}: rel err {err:.2e}", flush=True)
         cublaslt = timed(lambda w: F.linear(x, w))
     out = torch.empty(M, N, device=dev, dtype=DT)
-    ws = torch.empty(max(s for _, s in VARIANTS) * M * N, device=dev, dtype=torch.float32)
-    best: dict[str, tuple[float, Cfg]] = {}
-    for cfg in candidates(M, N, K, full):
+
+    def time_config(cfg: LinearConfig) -> float:
+        """µs per call, or nan (printed) where the config fails its check or does not run."""
         try:
-            launch(cfg, x, weights[0], ws, out)
+            launch(cfg, x, weights[0], out)
             if not (err := rel_err(out, ref)) < TOL:
-                print(f"  FAIL {cfg} M={M}: rel err {err:.2e}", flush=True)
-                continue
-            us = timed(lambda w, cfg=cfg: launch(cfg, x, w, ws, out))
+                print(f"  FAIL {describe(cfg)} M={M}: rel err {err:.2e}", flush=True)
+                return math.nan
+            return timed(lambda w: launch(cfg, x, w, out))
         except Exception as exc:  # noqa: BLE001 - out of resources, compile or launch errors
-            print(f"  error {cfg} M={M}: {type(exc).__name__}: {str(exc).strip()[:120]}", flush=True)
-            continue
-        name = cfg.kind if cfg.kind == "dot" else f"{cfg.kind}{cfg.split}"
-        if name not in best or us < best[name][0]:
+            print(f"  error {describe(cfg)} M={M}: {type(exc).__name__}: {str(exc).strip()[:120]}", flush=True)
+            return math.nan
+
+    rule = triton_ops.linear_config(M, N, K, DT)
+    rule_us = time_config(rule) if rule is not None else timed(lambda w: F.linear(x, w))
+    rule_cfg = describe(rule) if rule is not None else "F.linear (default BLAS)"
+    best: dict[str, tuple[float, LinearConfig]] = {}
+    for cfg in candidates(M, N, K, full) if sweep else []:
+        us = time_config(cfg)
+        name = describe(cfg).split()[0]
+        if not math.isnan(us) and (name not in best or us < best[name][0]):
             best[name] = (us, cfg)
     line = f"{label} M={M:<3} floor {floor:6.2f} us | cuBLAS {per_call(cublas, N, K, M)}"
     print(line + f" | cuBLASLt {per_call(cublaslt, N, K, M)}", flush=True)
+    print(f"    {'rule':<8} {per_call(rule_us, N, K, M)}  {rule_cfg}", flush=True)
     for name, (us, cfg) in sorted(best.items(), key=lambda kv: kv[1][0]):
-        print(f"    {name:<8} {per_call(us, N, K, M)}  {cfg}", flush=True)
-    top_us, top_cfg = min(best.values(), key=lambda t: t[0]) if best else (math.nan, "-")
-    return Row(label, N, K, M, floor, cublas, cublaslt, top_us, str(top_cfg))
+        print(f"    {name:<8} {per_call(us, N, K, M)}  {describe(cfg)}", flush=True)
+    top_us, top_cfg = min(best.values(), key=lambda t: t[0]) if best else (math.nan, None)
+    top = describe(top_cfg) if top_cfg is not None else "-"
+    return Row(label, N, K, M, floor, cublas, cublaslt, rule_us, rule_cfg, top_us, top)
+
+
+def best_us(r: Row) -> float:
+    """The fastest method of a row (a sweep that did not run, or failed, counts as absent)."""
+    return min(u for u in (r.cublas_us, r.cublaslt_us, r.rule_us, r.triton_us) if not math.isnan(u))
 
 
 def report(model: str, rows: list[Row], ceiling: float, device: str) -> str:
@@ -340,16 +250,17 @@ def report(model: str, rows: list[Row], ceiling: float, device: str) -> str:
         return r.N * r.K * 2 / us / 1e6
 
     head = f"Device: {device}; copy ceiling {ceiling:.2f} TB/s (1 GiB D2D copy, read+write); bf16"
-    cols = ["shape", "N x K", "M", "floor µs", "cuBLAS µs", "TB/s", "cuBLASLt µs", "TB/s", "best Triton µs", "TB/s"]
-    cols += ["TFLOP/s", "Triton config", "best / floor"]
+    cols = ["shape", "N x K", "M", "floor µs", "cuBLAS µs", "TB/s", "cuBLASLt µs", "rule µs", "rule / cuBLAS"]
+    cols += ["rule config", "best Triton µs", "TB/s", "TFLOP/s", "Triton config", "best / floor"]
     lines = [head + "; µs per call in a CUDA graph over weight copies > 4x L2 (median of 20 replays)", ""]
     lines += ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
     for r in rows:
-        best = min(r.cublas_us, r.cublaslt_us, r.triton_us)
+        best = best_us(r)
         lines.append(
             f"| {r.shape} | {r.N}x{r.K} | {r.M} | {r.floor_us:.2f} | {r.cublas_us:.2f} | {tbs(r, r.cublas_us):.2f} "
-            f"| {r.cublaslt_us:.2f} | {tbs(r, r.cublaslt_us):.2f} | {r.triton_us:.2f} | {tbs(r, r.triton_us):.2f} "
-            f"| {2 * r.M * r.N * r.K / r.triton_us / 1e6:.0f} | {r.triton_cfg} | {best / r.floor_us:.2f} |"
+            f"| {r.cublaslt_us:.2f} | {r.rule_us:.2f} | {r.rule_us / r.cublas_us:.3f} | {r.rule_cfg} "
+            f"| {r.triton_us:.2f} | {tbs(r, r.triton_us):.2f} | {2 * r.M * r.N * r.K / r.triton_us / 1e6:.0f} "
+            f"| {r.triton_cfg} | {best / r.floor_us:.2f} |"
         )
     layers, shapes = MODELS[model]
     weight = {label: 1 if label == "lm_head" else layers for label, _, _ in shapes}
@@ -362,8 +273,9 @@ def report(model: str, rows: list[Row], ceiling: float, device: str) -> str:
         "floor": lambda r: r.floor_us,
         "cuBLAS": lambda r: r.cublas_us,
         "cuBLASLt": lambda r: r.cublaslt_us,
+        "engine rule": lambda r: r.rule_us,
         "best Triton": lambda r: r.triton_us,
-        "best of three per shape": lambda r: min(r.cublas_us, r.cublaslt_us, r.triton_us),
+        "best per shape": best_us,
     }
     lines += ["", f"GEMM µs per decode step ({model}: {layers} x (qkv + o_proj + gate_up + down) + lm_head)", ""]
     lines += ["| M | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
@@ -377,7 +289,8 @@ def report(model: str, rows: list[Row], ceiling: float, device: str) -> str:
 
 
 def smoke() -> None:
-    """Interpreter check (TRITON_INTERPRET=1, CPU) of the split-K and atomic paths on tiny shapes."""
+    """Interpreter check (TRITON_INTERPRET=1, CPU) of the engine's kernels as the sweep launches
+    them (1-4 splits, ragged M, N and K) and of the sweep's config counts."""
     if not triton_ops.INTERPRET:
         sys.exit("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(0)
@@ -385,20 +298,15 @@ def smoke() -> None:
         x = torch.randn(M, K, generator=gen).to(DT)
         w = torch.randn(N, K, generator=gen).mul_(K**-0.5).to(DT)
         ref = (x.float() @ w.float().T).to(DT).float()
-        ws = torch.empty(4 * M * N)
-        results = {}
-        for kind, split in (("dot", 1), ("split", 2), ("split", 3), ("split", 4), ("atomic", 2)):
-            cfg = Cfg(kind, 16, 32, 64, 4, 3, split)
+        for split in (1, 2, 3, 4):
+            cfg = LinearConfig("dot", 16, 32, 64, 4, 3, split)
             out = torch.empty(M, N, dtype=DT)
-            launch(cfg, x, w, ws, out)
+            launch(cfg, x, w, out)
             again = torch.empty(M, N, dtype=DT)
-            launch(cfg, x, w, ws, again)
+            launch(cfg, x, w, again)
             err = rel_err(out, ref)
             assert err < TOL and torch.equal(out, again), (M, N, K, cfg, err)
-            results[str(cfg)] = out
-            print(f"ok  M={M} N={N} K={K} {cfg}: rel err {err:.1e}, repeat bit-identical", flush=True)
-        assert torch.equal(results["split2 m16 n32 k64 w4 s3"], results["atomic2 m16 n32 k64 w4 s3"])
-        print(f"ok  M={M} N={N} K={K}: split2 == atomic2 bit for bit", flush=True)
+            print(f"ok  M={M} N={N} K={K} {describe(cfg)}: rel err {err:.1e}, repeat bit-identical", flush=True)
     for model, (_, shapes) in MODELS.items():
         keys: set[tuple] = set()
         for label, N, K in shapes:
@@ -406,7 +314,7 @@ def smoke() -> None:
             assert all(counts), (model, label, counts)
             keys |= set().union(*(compile_keys(candidates(M, N, K), K) for M in (16, 32, 64, 128, 192, 256)))
             print(f"{model} {label} {N}x{K}: configs per M 16..256 = {counts}", flush=True)
-        print(f"{model}: {len(keys)} distinct kernel compiles (+2 sum kernels)", flush=True)
+        print(f"{model}: {len(keys)} distinct kernel compiles (+1 sum kernel per split count)", flush=True)
 
 
 def main() -> None:
@@ -415,6 +323,7 @@ def main() -> None:
     ap.add_argument("--ms", type=int, nargs="+", default=[16, 32, 64, 128, 192, 256])
     ap.add_argument("--shapes", nargs="+", help="subset of the model's shape labels (default all)")
     ap.add_argument("--full", action="store_true", help="every BLOCK_M and warp count, not the pruned set")
+    ap.add_argument("--no-sweep", action="store_true", help="time cuBLAS and the engine's rule only")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile threads (1: serial)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter check of the kernels, then exit")
     args = ap.parse_args()
@@ -434,13 +343,19 @@ def main() -> None:
     start = time.perf_counter()
     ceiling = copy_ceiling()
     print(f"copy ceiling: {ceiling:.2f} TB/s", flush=True)
-    plan = [(M, N, K, candidates(M, N, K, args.full)) for _, N, K in shapes for M in args.ms]
+    sweep = not args.no_sweep
+    plan = []
+    for _, N, K in shapes:
+        for M in args.ms:
+            rule = triton_ops.linear_config(M, N, K, DT)
+            cfgs = candidates(M, N, K, args.full) if sweep else []
+            plan.append((M, N, K, cfgs + ([rule] if rule is not None and rule not in cfgs else [])))
     keys = set().union(*(compile_keys(cfgs, K) for _, _, K, cfgs in plan))
     print(f"{sum(len(p[3]) for p in plan)} (shape, M, config) timings, {len(keys)} kernel compiles", flush=True)
     precompile(plan, args.jobs)
     rows = []
     for label, N, K in shapes:
-        rows += sweep_shape(label, N, K, args.ms, args.full, ceiling)
+        rows += sweep_shape(label, N, K, args.ms, sweep, args.full, ceiling)
         torch.cuda.empty_cache()
         print(f"  ({time.perf_counter() - start:.0f} s so far)", flush=True)
     table = report(args.model, rows, ceiling, device)

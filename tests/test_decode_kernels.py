@@ -143,6 +143,145 @@ def test_linear_rule_declines_what_it_cannot_run():
     assert linear_config(MAX_M + 1, 4096, 1024, torch.bfloat16) is None  # prefill-sized M
     assert linear_config(0, 4096, 1024, torch.bfloat16) is None
     assert linear_config(1, 4096, 1001, torch.bfloat16) is None  # rows not 16-byte aligned
+    assert linear_config(64, 1024, 2056, torch.bfloat16) is None  # K not a whole number of split blocks
+
+
+def test_linear_rule_above_eight_rows():
+    """M = 9..256: split-K only on the narrow matrices it was measured faster on (qwen3 o_proj,
+    down), the dot kernel on qwen3's LM head up to 32 rows, cuBLAS for the rest and for every
+    llama-3.1-8b shape (not measured there); every split config divides K into whole blocks."""
+    from nanoserve.models.triton_ops import MAX_M, linear_config
+
+    qkv, o_proj, gate_up, down, lm_head = QWEN3_SHAPES
+    for M in range(9, MAX_M + 1):
+        for n, k in LLAMA_SHAPES + [qkv, gate_up]:
+            assert linear_config(M, n, k, torch.bfloat16) is None, (M, n, k)
+        for n, k in (o_proj, down):
+            c = linear_config(M, n, k, torch.float16)
+            assert c is not None and c.kernel == "dot" and c.split_k > 1 and k % (c.split_k * c.block_k) == 0
+        c = linear_config(M, *lm_head, torch.bfloat16)
+        assert (c is not None and c.split_k == 1 and c.block_m >= 16) == (M <= 32)
+
+
+def split_k_case(M, N, K, dtype, seed, bias: bool):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=gen).to(dtype) if bias else None
+    return x, w, b
+
+
+@interp
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("bias", [True, False])
+def test_interp_split_k(split, bias):
+    """The dot kernel split along K against the exact product (fp32 inputs: fp32 math): M = 20
+    over blocks of 16, N = 20 over blocks of 16, K = 200 over 32-wide blocks (the last split is
+    masked at K; with 4 splits of 64, the last holds 8 columns). Repeat runs are bit-identical
+    and a row's result does not depend on the other rows of the batch."""
+    from nanoserve.models import triton_ops
+    from nanoserve.models.triton_ops import LinearConfig
+
+    config = LinearConfig("dot", 16, 16, 32, split_k=split)
+    x, w, b = split_k_case(20, 20, 200, torch.float32, seed=20 + split, bias=bias)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    out = torch.full((20, 20), float("nan"))
+    triton_ops.small_m_linear(x, w, b, config, out=out)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < 1e-6, f"split {split}: relative error {rel_err(out, ref):.2e}"
+    assert torch.equal(triton_ops.small_m_linear(x, w, b, config), out)
+    assert torch.equal(triton_ops.small_m_linear(x[:5], w, b, config), out[:5])
+
+
+@interp
+def test_interp_split_k_bf16_sums_in_fp32():
+    """bf16 inputs, 4 splits: with a bf16 output each element is rounded once (equal to the
+    exact sum rounded, up to the interpreter truncating instead of rounding); with an fp32
+    output the summed partials come back unrounded (the TP row-parallel path)."""
+    from nanoserve.models import triton_ops
+    from nanoserve.models.triton_ops import LinearConfig
+
+    config = LinearConfig("dot", 16, 32, 64, split_k=4)
+    x, w, b = split_k_case(7, 40, 512, torch.bfloat16, seed=30, bias=True)
+    exact = x.double() @ w.double().T + b.double()
+    fp32 = triton_ops.small_m_linear(x, w, b, config, out=torch.empty(7, 40))
+    assert rel_err(fp32, exact) < 1e-6
+    rounded = triton_ops.small_m_linear(x, w, b, config)
+    assert rounded.dtype == torch.bfloat16
+    assert ((rounded.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-6).all()
+
+
+def test_split_k_only_for_the_dot_kernel():
+    from nanoserve.models import triton_ops
+    from nanoserve.models.triton_ops import LinearConfig
+
+    x, w, _ = split_k_case(2, 8, 64, torch.float32, seed=0, bias=False)
+    for bad in (LinearConfig("fma", 2, 8, 32, split_k=2), LinearConfig("dot", 16, 16, 32, split_k=0)):
+        with pytest.raises(ValueError, match="split_k"):
+            triton_ops.small_m_linear(x, w, None, bad)
+
+
+def capture(step):
+    """`step` warmed up once (compiles), then captured in a CUDA graph: (graph, its outputs)."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs
+
+
+def ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|got - ref| in units of the last place of ref in ref's dtype (bf16: 8 significant bits)."""
+    bits = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}[ref.dtype]
+    tiny = torch.finfo(ref.dtype).tiny
+    unit = torch.exp2(torch.floor(torch.log2(ref.double().abs().clamp_min(tiny))) - (bits - 1))
+    return (got.double() - ref.double()).abs() / unit
+
+
+def check_silu_and_mul(M, inter, dtype, device, max_ulps: float, seed: int, strided: bool = False) -> torch.Tensor:
+    """The Triton silu_and_mul against layers.silu_and_mul_plain; returns the fraction of
+    elements that differ. `strided`: gate_up is a column slice of a wider tensor."""
+    from nanoserve.models import triton_ops
+    from nanoserve.models.layers import silu_and_mul_plain
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    wide = (3 * torch.randn(M, 2 * inter + (16 if strided else 0), generator=gen, device=device)).to(dtype)
+    gate_up = wide[:, : 2 * inter]
+    out = torch.full((M, inter), float("nan"), dtype=dtype, device=device)
+    got = triton_ops.silu_and_mul(gate_up, out=out)
+    assert got.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+    ref = silu_and_mul_plain(gate_up)
+    worst = ulps(out, ref).max().item()
+    assert worst <= max_ulps, f"M={M} I={inter} {dtype}: {worst} units in the last place"
+    fresh = triton_ops.silu_and_mul(gate_up)
+    assert fresh.shape == (M, inter) and fresh.dtype == dtype and torch.equal(fresh, out)
+    return (out != ref).float().mean().item()
+
+
+@interp
+@pytest.mark.parametrize(
+    ("dtype", "max_ulps"),
+    # fp32: exp may differ by an ulp; fp16: one rounding; bf16: the interpreter truncates
+    # fp32 -> bf16 instead of rounding (compiled kernels round: the GPU test allows 2)
+    [(torch.float32, 4), (torch.float16, 2), (torch.bfloat16, 4)],
+)
+@pytest.mark.parametrize(("M", "inter", "strided"), [(4, 200, False), (2, 64, True)])
+def test_interp_silu_and_mul(dtype, max_ulps, M, inter, strided):
+    differ = check_silu_and_mul(M, inter, dtype, "cpu", max_ulps, seed=M + inter, strided=strided)
+    if dtype == torch.float16:
+        # the interpreter rounds fp16 correctly: the same two roundings as the reference give
+        # the same values (rounding once, after the product, changed 27% of them)
+        assert differ <= 0.01, f"{differ:.1%} of the elements differ from the reference"
+
+
+def test_silu_and_mul_rejects_bad_shapes():
+    from nanoserve.models import triton_ops
+
+    with pytest.raises(ValueError, match="dense last dim"):
+        triton_ops.silu_and_mul(torch.zeros(2, 7))
+    with pytest.raises(ValueError, match="out must be"):
+        triton_ops.silu_and_mul(torch.zeros(2, 8), out=torch.zeros(2, 8))
 
 
 # ------------------------------------------------------------------------------ GPU tests
@@ -161,7 +300,7 @@ def rule_configs():
 
 
 @gpu
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 9, 16, 32, 48, 64, 100, 128, 192, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_rule_on_model_shapes(M, dtype):
     from nanoserve.models.triton_ops import linear_config
@@ -179,9 +318,88 @@ def test_gpu_every_rule_config_and_both_kernels():
     configs = dict(rule_configs())
     configs[LinearConfig("fma", 4, 4, 256)] = (3, 1000, 1032)  # ragged N, K not a multiple of 256
     configs[LinearConfig("dot", 16, 64, 128, num_stages=3)] = (7, 999, 1000)
+    # 3 splits of 384 over K = 1000: the last split masked at K
+    configs[LinearConfig("dot", 16, 64, 128, num_stages=3, split_k=3)] = (37, 999, 1000)
     for j, (config, (m, n, k)) in enumerate(configs.items()):
-        for M in sorted({1, m, min(m + 1, 8)}):  # a 1-row config on M > 1 runs a program per row
+        for M in sorted({1, m, m + 1}):  # a 1-row config on M > 1 runs a program per row
             check_linear(M, n, k, torch.bfloat16, "cuda", config, bias=True, tol=1e-2, seed=100 + j)
+
+
+@gpu
+def test_gpu_split_k_deterministic_batch_invariant_fp32_out():
+    """The rule's split-K configs on qwen3 o_proj and down: repeat runs bit-identical, the
+    first rows of a batch equal to the same rows run alone with the same config, and with an
+    fp32 output the unrounded sum (fp32 accuracy against the exact product)."""
+    from nanoserve.models import triton_ops
+
+    for j, (n, k) in enumerate(QWEN3_SHAPES[1::2]):  # o_proj, down
+        for M in (16, 64, 128, 256):
+            config = triton_ops.linear_config(M, n, k, torch.bfloat16)
+            assert config is not None and config.split_k > 1
+            gen = torch.Generator(device="cuda").manual_seed(M + j)
+            x = torch.randn(M, k, generator=gen, device="cuda").bfloat16()
+            w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).bfloat16()
+            out = triton_ops.small_m_linear(x, w, None, config)
+            assert torch.equal(out, triton_ops.small_m_linear(x, w, None, config))
+            assert torch.equal(out[:9], triton_ops.small_m_linear(x[:9], w, None, config))
+            fp32 = triton_ops.small_m_linear(x, w, None, config, out=torch.empty(M, n, device="cuda"))
+            assert rel_err(fp32, x.double() @ w.double().T) < 1e-5
+            assert torch.equal(fp32.bfloat16(), out)  # one rounding of the same fp32 sum
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 16, 256, 3000])
+@pytest.mark.parametrize("inter", [3072, 14336, 1000])
+def test_gpu_silu_and_mul(M, inter):
+    """bf16 against layers.silu_and_mul_plain (torch's CUDA silu, then the product): expf and
+    division as torch computes them, so at most 1% of the elements may differ (by at most two
+    units in the last place: one intermediate rounding the other way)."""
+    differ = check_silu_and_mul(M, inter, torch.bfloat16, "cuda", 2, seed=M + inter, strided=M == 16)
+    assert differ <= 0.01, f"{differ:.2%} of the elements differ from the reference"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_silu_and_mul_other_dtypes(dtype):
+    differ = check_silu_and_mul(64, 3072, dtype, "cuda", 2, seed=3)
+    assert differ <= 0.01
+
+
+@gpu
+@pytest.mark.parametrize("pdl", [True, False])
+def test_gpu_mlp_graph_replay(pdl):
+    """qwen3's MLP at a decode batch of 64 rows, captured in a CUDA graph: gate_up (cuBLAS) ->
+    SiLU-and-mul (Triton) -> down (the rule's split-K: product + ordered sum, both under PDL
+    when on). Every replay on fresh inputs equals an eager call bit for bit and the torch
+    reference within bf16 tolerance."""
+    from nanoserve import triton_pdl
+    from nanoserve.models import layers
+    from nanoserve.models.layers import silu_and_mul_plain
+
+    dev = "cuda"
+    old, triton_pdl.PDL = triton_pdl.PDL, pdl
+    try:
+        M, hidden, inter = 64, 1024, 3072
+        assert layers.triton_ops().linear_config(M, hidden, inter, torch.bfloat16).split_k > 1
+        x = torch.randn(M, hidden, device=dev).bfloat16()
+        w_gate_up = (torch.randn(2 * inter, hidden, device=dev) / hidden**0.5).bfloat16()
+        w_down = (torch.randn(hidden, inter, device=dev) / inter**0.5).bfloat16()
+
+        def step():
+            return layers.linear(layers.silu_and_mul(layers.linear(x, w_gate_up)), w_down)
+
+        def reference():
+            return F.linear(silu_and_mul_plain(F.linear(x, w_gate_up)), w_down)
+
+        graph, out = capture(step)
+        for trial in range(5):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            err = rel_err(out, reference())
+            assert err < 1e-2, f"replay {trial}: relative error {err:.2e}"
+            assert torch.equal(out, step()), f"replay {trial} differs from eager"
+    finally:
+        triton_pdl.PDL = old
 
 
 @gpu
@@ -219,6 +437,15 @@ def test_gpu_layers_dispatch_matches_torch_twins():
             layers.TRITON_OPS = old
         for a, b in zip(fast, slow):
             assert rel_err(a, b) < 1e-2
+        gate_up = torch.randn(M, 2 * 3072, device=dev).bfloat16()
+        fast = layers.silu_and_mul(gate_up)
+        old, layers.TRITON_OPS = layers.TRITON_OPS, False
+        try:
+            slow = layers.silu_and_mul(gate_up)
+        finally:
+            layers.TRITON_OPS = old
+        assert rel_err(fast, slow) < 1e-2
+        assert rel_err(layers.silu_and_mul(gate_up.view(M, 1, -1)).view(M, -1), slow) < 1e-2  # 3-D: torch path
 
 
 @gpu
@@ -255,11 +482,7 @@ def test_gpu_graph_replay_chain(pdl):
             q, k = rope_plain(pos, rms_norm_plain(q, qw, 1e-6), rms_norm_plain(k, kw, 1e-6), cos, sin)
             return total, qkv, q, k
 
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step()
+        graph, outs = capture(step)
         for trial in range(5):
             h.copy_(torch.randn_like(h))
             res.copy_(torch.randn_like(res))

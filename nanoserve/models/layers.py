@@ -73,8 +73,8 @@ def rope_plain(positions, q, k, cos_table, sin_table):
 
 
 # Triton kernels for decode (triton_ops.py), CUDA only: the small-M linear where its measured
-# rule picks it, q/k norm + rotary in one launch, and (residual add +) RMSNorm. The torch
-# functions here are their slow twins; NANOSERVE_TRITON_OPS=0 turns the kernels off.
+# rule picks it, q/k norm + rotary in one launch, (residual add +) RMSNorm, SiLU-and-mul. The
+# torch functions here are their slow twins; NANOSERVE_TRITON_OPS=0 turns the kernels off.
 TRITON_OPS = os.environ.get("NANOSERVE_TRITON_OPS", "1") != "0"
 _ops = None
 
@@ -94,9 +94,10 @@ def linear(
 ) -> torch.Tensor:
     """x W^T (+ b) in x's dtype, or with `fp32_out` in fp32, accumulated in fp32 and never
     rounded to x's dtype. On CUDA the Triton small-M kernel runs where
-    `triton_ops.linear_config` says it beats cuBLAS for this shape (decode batches of a few
-    tokens); otherwise F.linear, or for fp32_out cuBLAS with an fp32 output
-    (`torch.mm(..., out_dtype)`), or on CPU (the slow twin) the matmul of fp32 copies."""
+    `triton_ops.linear_config` says it beats cuBLAS for this shape (decode batches of up to
+    256 rows; split-K on narrow matrices); otherwise F.linear, or for fp32_out cuBLAS with an
+    fp32 output (`torch.mm(..., out_dtype)`), or on CPU (the slow twin) the matmul of fp32
+    copies."""
     fp32_out = fp32_out and x.dtype != torch.float32
     k, n = x.shape[-1], weight.shape[0]
     rows = x.numel() // k if k else 0
@@ -119,8 +120,19 @@ def linear(
 
 rms_norm = fused(rms_norm_plain)
 add_rms_norm = fused(add_rms_norm_plain)
-silu_and_mul = fused(silu_and_mul_plain)
+_silu_and_mul_fused = fused(silu_and_mul_plain)
 rope = fused(rope_plain)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [..., 2I]. On CUDA a 2-D gate_up with a dense last dim goes
+    through the Triton kernel (one launch, under PDL); otherwise the fused torch version."""
+    if TRITON_OPS and gate_up.is_cuda and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+        return triton_ops().silu_and_mul(gate_up)
+    return _silu_and_mul_fused(gate_up)
+
+
+silu_and_mul.plain = silu_and_mul_plain
 
 
 class RMSNorm(nn.Module):

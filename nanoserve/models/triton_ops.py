@@ -1,15 +1,18 @@
 """Triton kernels for the decode hot path of the decoder's layers.
 
-Owns four kernels, their launchers and the rule that decides when the small-M linear is
-used; the kernels launch with programmatic dependent launch where the GPU has it
+Owns five kernel families, their launchers and the rule that decides when the small-M linear
+is used; the kernels launch with programmatic dependent launch where the GPU has it
 (nanoserve/triton_pdl.py):
-- `small_m_linear(x, weight, bias, config)`: y = x W^T (+ b) for a few rows of x (decode
-  batches). At M = 1..8 cuBLAS picks tiles made for large M and reaches a fraction of the
-  memory bandwidth on small matrices; these kernels stream W once with wide loads:
+- `small_m_linear(x, weight, bias, config)`: y = x W^T (+ b) for the rows of a decode batch
+  (M = 1..256). cuBLAS picks tiles made for large M and, on small matrices, spends >= 5 us per
+  call whatever M; these kernels stream W once with wide loads:
   * "fma": products and sums on the CUDA cores, a [BLOCK_M, BLOCK_N, BLOCK_K] fp32
     accumulator reduced over K once at the end (BLOCK_M = 1 is the GEMV);
-  * "dot": tensor-core tiles with M padded to 16 (rows past M are masked, never stored).
-  `linear_config(M, N, K, dtype)` is the measured rule (see its docstring): a config, or
+  * "dot": tensor-core tiles with M padded to BLOCK_M (rows past M are masked, never stored),
+    optionally split along K (`split_k` programs per output tile, each storing its fp32
+    partial to a workspace [split_k, M, N]; a second kernel adds the partials in split order
+    and rounds once). The same kernels serve benchmarks/gemm_decode.py's sweep.
+  `linear_config(M, N, K, dtype)` is the measured rule (see its comment): a config, or
   None where cuBLAS is as fast.
 - `qk_norm_rope(positions, q, k, cos, sin, ...)`: Qwen3's per-head RMSNorm of q and k
   followed by the neox rotary embedding, one launch for both tensors (Llama: rotary only).
@@ -17,14 +20,20 @@ used; the kernels launch with programmatic dependent launch where the GPU has it
   residual (returning the sum too), one program per row. As fast as the torch.compile'd
   version (1.46 vs 1.45 us per call at hidden 1024, 1.92 vs 2.16 at 4096) and, unlike it,
   lets the next matmul launch early under PDL.
+- `silu_and_mul(gate_up)`: the MLP's silu(gate) * up, one launch over rows x column blocks,
+  under PDL (the torch.compile'd version it replaces cannot launch the down projection early).
 
 Invariants:
 - accumulation and normalisation run in fp32 whatever the input dtype; each output element
   is rounded once to the input dtype, except where the torch reference rounds in between
-  (the normalised value before the norm weight, cos/sin to the input dtype), which the
-  kernel repeats so that both paths agree within one bf16 rounding;
-- launchers read no device data on the host and allocate only outputs whose shapes come
-  from the inputs' shapes, so they can be captured in CUDA graphs;
+  (the normalised value before the norm weight, cos/sin to the input dtype, silu(gate)
+  before the product), which the kernel repeats so that both paths agree within one bf16
+  rounding;
+- the split-K product is deterministic: the partials of an output element are added in split
+  order, each partial's K order fixed by the config, so repeat runs are bit-identical and a
+  row's result does not depend on the other rows of the batch (for a given config);
+- launchers read no device data on the host and allocate only outputs and workspaces whose
+  shapes come from the inputs' shapes, so they can be captured in CUDA graphs;
 - on Hopper and later every kernel is launched with programmatic dependent launch
   (nanoserve/triton_pdl.py): before its `gdc_wait` a kernel reads only weights and writes
   nothing, so starting it while the previous kernel still runs never changes a result;
@@ -41,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from nanoserve.triton_pdl import gdc_launch_dependents, gdc_wait, launch_options
 
@@ -48,6 +58,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Triton's interpreter computes bf16 tl.dot wrongly (see attention/triton_kernels.py): under the
 # interpreter the dot kernel upcasts its operands to fp32. Compiled kernels never do.
 DOT_F32 = INTERPRET
+
 
 @dataclass(frozen=True)
 class LinearConfig:
@@ -57,6 +68,10 @@ class LinearConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 1
+    split_k: int = 1  # "dot" only: programs along K, their fp32 partials summed by a second kernel
+
+
+SUM_BLOCK = 1024  # columns per program of the split-K sum
 
 
 # ------------------------------------------------------------------------------ small-M linear
@@ -131,20 +146,26 @@ def _prefetch_l2(ptrs):
 @triton.jit
 def _linear_dot_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
-    M, N, K, stride_xm, stride_wn, stride_ym,
+    M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """Program (n, m, s): output tile (m, n) over K[s * K_SPLIT, (s + 1) * K_SPLIT) (K_SPLIT a
+    multiple of BLOCK_K; the last split is masked at K). SPLIT_K == 1: adds the bias and stores
+    the tile in y's dtype. SPLIT_K > 1: y is the fp32 workspace [SPLIT_K, M, N] (dense) and the
+    unrounded partial goes to plane s; `_sum_splits_kernel` adds the planes."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
     rm, rn, rk = _tile_ranges(BLOCK_M, BLOCK_N, BLOCK_K)
+    if SPLIT_K > 1:
+        rk += tl.program_id(2) * K_SPLIT
     rn_in = tl.minimum(rn, N - 1).to(tl.int64)
     m_mask = rm < M
     x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
     w_ptrs = w_ptr + rn_in[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N] view of W^T
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K_SPLIT, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             w = tl.load(w_ptrs)
@@ -160,10 +181,39 @@ def _linear_dot_kernel(
             acc = tl.dot(x, w, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn_in).to(tl.float32)[None, :]
     mask = m_mask[:, None] & (rn[None, :] < N)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_K > 1:
+        plane = y_ptr + tl.program_id(2).to(tl.int64) * M * N
+        tl.store(plane + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn_in).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(
+    ws_ptr, b_ptr, y_ptr, M, N, stride_ym,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (n, m): y[m, cols] = ((ws[0, m] + ws[1, m]) + ...) + b over a block of columns,
+    planes added in split order in fp32 and rounded once to y's dtype."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.program_id(1).to(tl.int64)
+    mask = cols < N
+    if HAS_BIAS:  # a weight: read before the wait
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    ptrs = ws_ptr + row * N + cols
+    plane = tl.num_programs(1).to(tl.int64) * N  # M (an M of 1 arrives as a constexpr)
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ptrs + s * plane, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += b
+    tl.store(y_ptr + row * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def small_m_linear(
@@ -175,32 +225,68 @@ def small_m_linear(
 ) -> torch.Tensor:
     """y = x W^T (+ b) for x [M, K] (dense last dim), weight [N, K] (dense rows). `out` is an
     optional [M, N] result buffer with dense rows, in x's dtype or fp32 (then the fp32
-    accumulator is stored unrounded); without it the result is a new [M, N] in x's dtype."""
+    accumulator is stored unrounded); without it the result is a new [M, N] in x's dtype.
+    A split-K config (`config.split_k` > 1) also allocates its fp32 workspace
+    [split_k, M, N] here, from the caching allocator (a CUDA graph's pool under capture)."""
+    if out is None:
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    for kernel, grid, args, options in _linear_launches(x, weight, bias, config, out):
+        kernel[grid](*args, **options)
+    return out
+
+
+def compile_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: LinearConfig, out: torch.Tensor
+) -> None:
+    """Compile (without running) the kernels `small_m_linear` launches for these arguments: the
+    same launch arguments, so the same compile-cache keys (benchmarks compile ahead in threads)."""
+    for kernel, grid, args, options in _linear_launches(x, weight, bias, config, out):
+        kernel.warmup(*args, grid=grid, **options)
+
+
+def _linear_launches(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: LinearConfig, out: torch.Tensor
+) -> list[tuple]:
+    """(kernel, grid, args, options) of each launch of the product, in launch order."""
     M, K = x.shape
     N = weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != K:
         raise ValueError("small_m_linear needs x [M, K] and weight [N, K] with dense last dims")
-    if out is None:
-        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     c = config
-    grid = (triton.cdiv(N, c.block_n), triton.cdiv(M, c.block_m))
-    args = (x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0))
+    if c.split_k < 1 or (c.split_k > 1 and c.kernel != "dot"):
+        raise ValueError(f"split_k={c.split_k}: only the dot kernel splits K (split_k >= 1)")
+    pdl = launch_options(x.device)
+    b = bias if bias is not None else weight
     common = {
-        "HAS_BIAS": bias is not None,
         "BLOCK_M": c.block_m,
         "BLOCK_N": c.block_n,
         "BLOCK_K": c.block_k,
-        "EVEN_K": K % c.block_k == 0,
         "num_warps": c.num_warps,
         "num_stages": c.num_stages,
-        **launch_options(x.device),
+        **pdl,
     }
+    grid = (triton.cdiv(N, c.block_n), triton.cdiv(M, c.block_m), c.split_k)
     if c.kernel == "fma":
         line = min(c.block_k, 128 // weight.element_size())  # elements per 128-byte line
-        _linear_fma_kernel[grid](*args, LINE=line, **common)
-    else:
-        _linear_dot_kernel[grid](*args, UPCAST=DOT_F32, **common)
-    return out
+        args = (x, weight, b, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0))
+        options = {"HAS_BIAS": bias is not None, "EVEN_K": K % c.block_k == 0, "LINE": line, **common}
+        return [(_linear_fma_kernel, grid[:2], args, options)]
+    # Each split covers a whole number of K blocks; EVEN_K: every split's blocks lie within K.
+    k_split = triton.cdiv(triton.cdiv(K, c.split_k), c.block_k) * c.block_k
+    even_k = K % (c.block_k * c.split_k) == 0
+    dot = {"SPLIT_K": c.split_k, "EVEN_K": even_k, "UPCAST": DOT_F32, **common}
+    if c.split_k == 1:
+        args = (x, weight, b, out, M, N, K, k_split, x.stride(0), weight.stride(0), out.stride(0))
+        return [(_linear_dot_kernel, grid, args, {"HAS_BIAS": bias is not None, **dot})]
+    ws = torch.empty(c.split_k, M, N, dtype=torch.float32, device=x.device)
+    args = (x, weight, b, ws, M, N, K, k_split, x.stride(0), weight.stride(0), N)
+    block = min(SUM_BLOCK, triton.next_power_of_2(N))
+    sum_args = (ws, b, out, M, N, out.stride(0))
+    sum_options = {"HAS_BIAS": bias is not None, "SPLIT_K": c.split_k, "BLOCK": block, "num_warps": 4, **pdl}
+    return [
+        (_linear_dot_kernel, grid, args, {"HAS_BIAS": False, **dot}),
+        (_sum_splits_kernel, (triton.cdiv(N, block), M), sum_args, sum_options),
+    ]
 
 
 # The rule, from `python benchmarks/profile_decode.py --gemv` on an H200 (2026-11-21): for the
@@ -216,7 +302,24 @@ def small_m_linear(
 #   elements: qwen3 o_proj), where it is 2.3x slower than the fma kernel with 2-row tiles.
 # - M = 2..8 on vocabulary projections (N >= 65536): the dot kernel beat cuBLAS by 2-4%.
 # - everything else (M = 5..8, M = 2..4 on larger matrices): cuBLAS, by up to 1.25x.
-MAX_M = 8
+# M = 9..256, from `python benchmarks/gemm_decode.py --model qwen3` on an H200 (2026-11-21,
+# the same timing method; a config sweep at M = 16, 32, 64, 128, 192, 256, then this rule
+# against cuBLAS at M = 16..256 in a second run; cuBLAS takes >= 5.3 us per call however small
+# the matrix). Taken where a config beat cuBLAS by >= 5% in the sweep, generalised by shape:
+# - narrow matrices (N <= 1024 outputs, K >= 2048, N*K <= 4M elements: qwen3 o_proj 1024x2048
+#   and down 1024x3072) give cuBLAS too few output tiles; split-K (2 or 4 programs along K),
+#   with the sweep's best config per M range. Rule / cuBLAS in the second run: down 0.63-0.71
+#   at M <= 128, 0.89-0.93 at 192-256; o_proj 0.69-0.99 (0.93-0.95 at 192-256) except 1.055
+#   at M = 32, where the sweep had measured 0.81 with the same config (run-to-run noise of
+#   these 4-6 us timings is up to ~20%: kept, to be re-measured).
+# - the LM head at hidden <= 1024 (qwen3 151936x1024): the unsplit dot kernel, 0.94 of
+#   cuBLAS at M = 16 and 32 in both runs; cuBLAS from 48 rows.
+# - not taken: qwen3 qkv 4096x1024 at M = 16 (split-2: 0.92 of cuBLAS in the sweep, 0.99 in
+#   the second run), gate_up 6144x1024 (cuBLAS as fast or faster at every M).
+# Llama-3.1-8b's shapes were not swept at M > 8: no rule above matches them, so cuBLAS.
+# Split-K configs are only returned where each split is a whole number of K blocks
+# (K % (split_k * block_k) == 0): no masked tail, every split the same length.
+MAX_M = 256
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 _rule_cache: dict[tuple[int, int, int, torch.dtype], LinearConfig | None] = {}
 
@@ -232,6 +335,31 @@ def linear_config(M: int, N: int, K: int, dtype: torch.dtype) -> LinearConfig | 
 def _choose(M: int, N: int, K: int, dtype: torch.dtype) -> LinearConfig | None:
     if dtype not in _FAST_DTYPES or not 1 <= M <= MAX_M or K % 8:  # K % 8: 16-byte rows
         return None
+    if M <= 8:
+        return _choose_few_rows(M, N, K)
+    if N >= 65536 and K <= 1024 and M <= 32:
+        return LinearConfig("dot", 16 if M <= 16 else 32, 128, 128, num_warps=4, num_stages=3)
+    config = None
+    if N <= 1024 and K >= 2048 and N * K <= 2**22:
+        if M <= 16:
+            config = LinearConfig("dot", 16, 32, 128, num_warps=4, num_stages=4, split_k=4)
+        elif M <= 32:
+            config = LinearConfig("dot", 16, 64, 128, num_warps=4, num_stages=4, split_k=4)
+        elif M <= 64:
+            config = LinearConfig("dot", 64, 32, 128, num_warps=4, num_stages=4, split_k=4)
+        elif M <= 128 and K >= 3072:  # down: 4 splits of 768, 64-wide tiles
+            config = LinearConfig("dot", 64, 64, 128, num_warps=4, num_stages=4, split_k=4)
+        elif M <= 128:  # o_proj: 2 splits of 1024, 32-wide tiles
+            config = LinearConfig("dot", 64, 32, 128, num_warps=4, num_stages=4, split_k=2)
+        else:
+            config = LinearConfig("dot", 64, 64, 128, num_warps=4, num_stages=4, split_k=2)
+    if config is None or K % (config.split_k * config.block_k):
+        return None
+    return config
+
+
+def _choose_few_rows(M: int, N: int, K: int) -> LinearConfig | None:
+    """M = 1..8 (see the rule above)."""
     if M == 1:
         if N <= 2048:
             return LinearConfig("fma", 1, 2, min(2048, triton.next_power_of_2(K)), num_warps=8)
@@ -398,3 +526,64 @@ def rms_norm(
             **launch_options(x.device),
         )  # fmt: skip
     return out if residual is None else (out, total)
+
+
+# ------------------------------------------------------------------------------- SiLU-and-mul
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, I, stride_x, stride_o,
+    BLOCK: tl.constexpr, EVEN: tl.constexpr, PRECISE: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (t, j): row t, output columns j*BLOCK .. (j+1)*BLOCK of silu(gate) * up."""
+    if USE_PDL:
+        gdc_launch_dependents()  # the down projection starts streaming its weights now
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    gate_ptrs = x_ptr + row * stride_x + cols
+    if EVEN:
+        gate = tl.load(gate_ptrs).to(tl.float32)
+        up = tl.load(gate_ptrs + I).to(tl.float32)
+    else:
+        mask = cols < I
+        gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_ptrs + I, mask=mask, other=0.0).to(tl.float32)
+    if PRECISE:  # torch's CUDA silu: x / (1 + expf(-x)) with IEEE expf and division
+        act = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate))
+    else:  # the interpreter has no libdevice
+        act = gate / (1.0 + tl.exp(-gate))
+    dtype = out_ptr.dtype.element_ty
+    y = act.to(dtype).to(tl.float32) * up  # silu rounded first, as the reference's F.silu
+    if EVEN:
+        tl.store(out_ptr + row * stride_o + cols, y.to(dtype))
+    else:
+        tl.store(out_ptr + row * stride_o + cols, y.to(dtype), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up for gate_up [M, 2I] (gate columns first, then up; dense last dim),
+    into `out` [M, I] (dense rows) or a new tensor in gate_up's dtype. As the reference
+    (layers.silu_and_mul_plain) rounds: silu in fp32 rounded to the dtype, times up in fp32,
+    rounded again. On CUDA silu uses IEEE expf and division as torch's kernel does, so the two
+    should agree bit for bit; the tests allow one rounding step (the interpreter's exp and
+    its bf16 conversion differ)."""
+    M, width = gate_up.shape
+    if width % 2 or gate_up.stride(1) != 1:
+        raise ValueError("silu_and_mul needs gate_up [M, 2I] with a dense last dim")
+    inter = width // 2
+    if out is None:
+        out = torch.empty(M, inter, dtype=gate_up.dtype, device=gate_up.device)
+    elif out.shape != (M, inter) or out.stride(1) != 1:
+        raise ValueError(f"silu_and_mul: out must be [{M}, {inter}] with a dense last dim")
+    if M and inter:
+        # 1024 columns (16-byte loads on 4 warps) per program; rows on grid axis 0, which
+        # has room for any prefill length.
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(M, triton.cdiv(inter, block))](
+            gate_up, out, inter, gate_up.stride(0), out.stride(0),
+            BLOCK=block, EVEN=inter % block == 0, PRECISE=not INTERPRET, num_warps=4,
+            **launch_options(gate_up.device),
+        )  # fmt: skip
+    return out
