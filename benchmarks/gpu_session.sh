@@ -34,6 +34,11 @@ for s in ${STAGES:-tests offline latency}; do
     tests_cascade) stage tests_cascade 300 python -m pytest -m gpu -q -p no:cacheprovider tests/test_cascade.py ;;
     prefix_nocascade) stage prefix_nocascade 300 python benchmarks/prefix_cache.py --model qwen3-0.6b --workloads shared --modes on --no-cascade ;;
     peer) stage peer ${T_PEER:-450} python benchmarks/offline_throughput.py --peer hf ;;
+    steps)  # one decode step's graph time per variant: STEP_VARIANTS="A=1,B=0 A=0" (env settings)
+      for v in ${STEP_VARIANTS:-default}; do
+        stage "steps[$v]" 120 env $(echo "$v" | tr ',' ' ' | sed 's/^default$//') python benchmarks/microbatch_overlap.py --whole
+      done ;;
+    latency_qwen) stage latency_qwen 120 python benchmarks/latency.py --models qwen3-0.6b ;;
     profile) stage profile 400 python benchmarks/profile_offline.py ;;
     sampler) stage sampler_tests ${T_SAMPLER_TESTS:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_sampler.py
              stage sampler_bench 120 python benchmarks/sampler_bench.py ;;

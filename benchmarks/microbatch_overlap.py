@@ -256,6 +256,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, nargs="+", default=[0, 200, 400, 600, 800, 900])
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--profile", action="store_true", help="only one layer's kernel timeline per step")
+    ap.add_argument("--whole", action="store_true", help="only the whole batch's step time (A/B runs)")
     args = ap.parse_args()
     llm = LLM(args.model, load_format="dummy", enforce_eager=True, max_model_len=args.max_model_len)
     runner = llm.engine.runner
@@ -276,6 +277,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for step in args.steps:
         lens = sorted(batches[step // 100], reverse=True)
+        if args.whole:
+            st = Step(runner, lens, args.max_model_len, rng)
+            print(f"| {step} | {len(lens)} | {graph_time(lambda st=st: st.forward(st.whole))[0]:.3f} |", flush=True)
+            continue
         if args.profile:
             print(f"step {step}: {len(lens)} rows")
             profile_step(Step(runner, lens, args.max_model_len, rng))
