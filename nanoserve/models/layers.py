@@ -124,10 +124,27 @@ _silu_and_mul_fused = fused(silu_and_mul_plain)
 rope = fused(rope_plain)
 
 
+# The Triton SiLU-and-mul runs where it was measured faster: intermediate sizes up to
+# TRITON_SILU_MAX_I. H200, 2026-11-21 (RESULTS.md, fifth round): qwen3-0.6b (I = 3072) batch-1
+# TPOT 0.863 vs 0.893 ms and decode steps 1-5% faster together with the split-K rule; but
+# llama-3.1-8b (I = 14336) batch-1 TPOT 4.419 vs 4.305 ms, so larger MLPs keep the compiled one.
+# NANOSERVE_TRITON_SILU=0 keeps the compiled one everywhere (A/B runs).
+TRITON_SILU = os.environ.get("NANOSERVE_TRITON_SILU", "1") != "0"
+TRITON_SILU_MAX_I = 4096
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up [..., 2I]. On CUDA a 2-D gate_up with a dense last dim goes
-    through the Triton kernel (one launch, under PDL); otherwise the fused torch version."""
-    if TRITON_OPS and gate_up.is_cuda and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+    through the Triton kernel (one launch, under PDL) where TRITON_SILU_MAX_I allows; otherwise
+    the fused torch version."""
+    if (
+        TRITON_OPS
+        and TRITON_SILU
+        and gate_up.is_cuda
+        and gate_up.dim() == 2
+        and gate_up.stride(1) == 1
+        and gate_up.shape[1] <= 2 * TRITON_SILU_MAX_I
+    ):
         return triton_ops().silu_and_mul(gate_up)
     return _silu_and_mul_fused(gate_up)
 
