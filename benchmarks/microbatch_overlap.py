@@ -24,6 +24,9 @@ LM head, the engine's forward) captured in a CUDA graph, median of 20 replays:
 - "turns, small kernels high": the same with attention at low priority, the rest high.
 The halves interleave the longest-first order (rows 0, 2, 4, ... and 1, 3, 5, ...), so both
 carry about the same KV. Also checks that the halves' logits equal the whole batch's.
+
+`--whole` times only the whole batch (a quick A/B of engine changes: run it once per
+environment setting); `--profile` prints one layer's kernel timeline per step instead.
 """
 
 from __future__ import annotations
@@ -224,7 +227,7 @@ def profile_step(st: Step, layer: int = 10, reps: int = 5) -> None:
 
     from profile_offline import category, device_events  # isort: skip
 
-    _, (graph, _) = graph_time(lambda: st.forward(st.whole))
+    _, (graph, _) = graph_time(lambda st=st: st.forward(st.whole))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             graph.replay()
@@ -263,32 +266,37 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}; model {args.model}; torch {torch.__version__}")
     batches = workload_batches(every=100)
     rng = random.Random(0)
-    lo, hi = 0, -8  # torch maps priorities outside the device's range to its ends (lower: higher)
-    streams = {
-        "plain": [torch.cuda.Stream(), torch.cuda.Stream()],
-        "a_high": [torch.cuda.Stream(priority=hi), torch.cuda.Stream()],
-        "attn_low": [torch.cuda.Stream(priority=lo) for _ in range(2)],
-        "main_high": [torch.cuda.Stream(priority=hi) for _ in range(2)],
-    }
-    print(
-        "| step | rows | mean ctx | one ms | halves, 1 stream | 2 streams | 2 streams, A high | small kernels high "
-        "| attention takes turns | turns, small kernels high | best gain |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    if args.whole:
+        print("| step | rows | whole batch ms |\n|---|---|---|")
+    elif not args.profile:
+        lo, hi = 0, -8  # torch maps priorities outside the device's range to its ends (lower: higher)
+        streams = {
+            "plain": [torch.cuda.Stream(), torch.cuda.Stream()],
+            "a_high": [torch.cuda.Stream(priority=hi), torch.cuda.Stream()],
+            "attn_low": [torch.cuda.Stream(priority=lo) for _ in range(2)],
+            "main_high": [torch.cuda.Stream(priority=hi) for _ in range(2)],
+        }
+        print(
+            "| step | rows | mean ctx | one ms | halves, 1 stream | 2 streams | 2 streams, A high | small kernels high "
+            "| attention takes turns | turns, small kernels high | best gain |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
     for step in args.steps:
         lens = sorted(batches[step // 100], reverse=True)
+        st = Step(runner, lens, args.max_model_len, rng)
         if args.whole:
-            st = Step(runner, lens, args.max_model_len, rng)
             print(f"| {step} | {len(lens)} | {graph_time(lambda st=st: st.forward(st.whole))[0]:.3f} |", flush=True)
-            continue
-        if args.profile:
+        elif args.profile:
             print(f"step {step}: {len(lens)} rows")
-            profile_step(Step(runner, lens, args.max_model_len, rng))
-            continue
-        times = time_step(Step(runner, lens, args.max_model_len, rng), streams)
-        best = min(times[1:])
-        cells = " | ".join(f"{t:.3f}" for t in times)
-        print(f"| {step} | {len(lens)} | {sum(lens) // len(lens)} | {cells} | {1 - best / times[0]:+.1%} |", flush=True)
+            profile_step(st)
+        else:
+            times = time_step(st, streams)
+            best = min(times[1:])
+            cells = " | ".join(f"{t:.3f}" for t in times)
+            print(
+                f"| {step} | {len(lens)} | {sum(lens) // len(lens)} | {cells} | {1 - best / times[0]:+.1%} |",
+                flush=True,
+            )
         torch.cuda.empty_cache()
     llm.shutdown()
 
