@@ -16,9 +16,9 @@ is measured in full, the others for greedy agreement only:
 With --variant KEY=VAL[,KEY=VAL] (repeatable), TP=N runs once more per variant, last, with
 those environment settings, measured like the first dtype's (e.g. NANOSERVE_TP_REDUCE_FP32=1:
 fp32 partial sums). With --symm-off-too, TP=N runs once more with NANOSERVE_SYMM_MEM=0 (NCCL for every
-all-reduce: the slow twin of the opt-in symmetric-memory all-reduce of the decode graphs, which
-the first runs use when NANOSERVE_SYMM_MEM=1 is set, as tp_session.sh does), measured
-like the first dtype's, so both paths' speed comes from one session.
+all-reduce: the slow twin of the decode graphs' all-reduce + RMSNorm fused over symmetric
+memory, which the first runs use by default), measured like the first dtype's, so both
+paths' speed comes from one session.
 The parent prints, for TP=N vs TP=1 and for graphs vs eager within each, how many prompts
 agree token for token and whether the issue's criterion holds (at least 95% identical, and
 where two runs part, each one's token is within the other's top-5 at that position), then

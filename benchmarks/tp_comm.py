@@ -12,9 +12,9 @@ how the step is sent and how the row-parallel sums are reduced:
   step has), bf16 against fp32, and the eager all-reduce (host launch cost included);
 - the row-parallel matmul of llama-3.1-8b at TP=2 with a bf16 output (`linear`) against
   an fp32 output (`linear(..., fp32_out=True)`, what TP > 1 uses) plus its rounding to bf16;
-- the symmetric-memory one-shot all-reduce that the decode graphs use for their sums
-  (nanoserve.distributed.symm_all_reduce; NVLink multicast stays off), in a CUDA graph and
-  eagerly; its sums are checked against NCCL's.
+- the fused all-reduce + residual add + RMSNorm over symmetric memory that the decode graphs
+  use (nanoserve.distributed.symm_all_reduce; NVLink multicast stays off) against NCCL's
+  all-reduce followed by rms_norm, in a CUDA graph; results are checked against each other.
 `--nccl-env NCCL_PROTO=LL,...` sets NCCL variables first, to compare its protocol choices.
 
 These are each operation alone, back to back in a graph; inside a decode step the same
@@ -139,35 +139,46 @@ def rank_main(rank: int, world: int, addr: str, hidden: int) -> None:
 
 
 def _symm_mem_all_reduce(ctx, device, hidden: int, say) -> None:
-    """The engine's decode-sum path (nanoserve.distributed.symm_all_reduce: torch's one-shot
-    all-reduce over symmetric memory, peer-to-peer loads over NVLink, no multicast), through
-    `TPGroup.all_reduce` inside a CUDA graph as the decode graphs call it (the input copied
-    into the symmetric buffer by the kernel, a new output), and eagerly (host cost included:
-    the engine uses it only under capture). Its sums are checked against NCCL's."""
+    """The engine's decode-sum path (nanoserve.distributed.symm_all_reduce: every rank's
+    partials read over NVLink, summed, added to the residual and normalised in one kernel,
+    no multicast) against what it replaces, NCCL's all-reduce then `rms_norm`, both inside a
+    CUDA graph of GRAPH_OPS chained calls (slots alternating, as o_proj and down_proj do).
+    The partials are rewritten before each call, as the matmul would. Results are checked
+    against each other."""
     from nanoserve.distributed import TPGroup
     from nanoserve.distributed.symm_all_reduce import setup_symm_all_reduce
+    from nanoserve.models.triton_ops import rms_norm
 
     symm = setup_symm_all_reduce(ctx, single_host=True)
     if symm is None:
         say("symmetric-memory all-reduce: not set up (see the log above)")
         return
     tp = TPGroup(ctx.rank, ctx.world_size, symm)
+    weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
     for bs in BATCHES:
-        row = []
-        for dtype in (torch.bfloat16, torch.float32):
-            x = torch.randn(bs, hidden, device=device).to(dtype)
-            want = x.clone()
-            dist.all_reduce(want)
-            if not torch.equal(symm.all_reduce(x), want):
-                raise RuntimeError(f"symmetric-memory sum of [{bs}, {hidden}] {dtype} differs from NCCL's")
-            row.append(_captured_us(lambda x=x: tp.all_reduce(x), device))
+        src = torch.randn(bs, hidden, device=device).bfloat16()
+        residual = torch.randn(bs, hidden, device=device).bfloat16()
+
+        def nccl_then_norm(res=residual, src=src):
+            x = src.clone()
+            dist.all_reduce(x)
+            return rms_norm(x, weight, 1e-5, res)
+
+        def fused(res=residual, src=src, bs=bs, slot=[0]):  # noqa: B006 - the slot alternates across calls
+            part = symm._own_region(slot[0], bs, hidden, torch.bfloat16)
+            slot[0] ^= 1
+            part.copy_(src)
+            return tp.reduce_rms_norm(part, res, weight, 1e-5)
+
+        want, got = nccl_then_norm(), fused()
+        if not (torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])):
+            raise RuntimeError(f"fused all-reduce + RMSNorm of [{bs}, {hidden}] differs from NCCL + rms_norm")
+        copy_us = _captured_us(lambda src=src: src.clone(), device)
+        row = [_captured_us(fn, device) for fn in (nccl_then_norm, fused)]
         say(
-            f"symmetric-memory all-reduce (engine path) in a graph, [{bs}, {hidden}]: bf16 {row[0]:.1f} us, "
-            f"fp32 {row[1]:.1f} us (sums equal NCCL's)"
+            f"[{bs}, {hidden}] bf16 in a graph: NCCL all-reduce + rms_norm {row[0]:.1f} us, fused over "
+            f"symmetric memory {row[1]:.1f} us (each with a {copy_us:.1f} us copy of the partials; results equal)"
         )
-    x = torch.randn(1, hidden, device=device)
-    us = _per_iter_us(lambda: symm.all_reduce(x), STEP_REPS, device)
-    say(f"symmetric-memory all-reduce eager, [1, {hidden}] fp32: {us:.1f} us per call (host included)")
 
 
 def _matmuls(device, hidden: int) -> None:

@@ -2,8 +2,8 @@
 
     python benchmarks/tp_profile.py --model llama-3.1-8b [--tp 2] [--batches 1 256] [--with-tp1]
 
-Each variant runs in its own process: TP=N as the environment says (the decode sums over
-symmetric memory with NANOSERVE_SYMM_MEM=1, which tp_session.sh sets), TP=N with NCCL only
+Each variant runs in its own process: TP=N as the environment says (by default the decode
+sums fused with their RMSNorm over symmetric memory), TP=N with NCCL only
 (NANOSERVE_SYMM_MEM=0), and with --with-tp1 TP=1. In each, for
 every batch size B: B requests (128-token prompts, greedy) are decoded from the captured
 graph; after a few warm steps, 100 (B=1) or 30 engine steps are timed (wall ms per step,

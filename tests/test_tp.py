@@ -2,8 +2,10 @@
 architecture, chunked prefill and the prefix cache on, simple and overlap loops; a dead or
 hung worker rank makes rank 0 fail with a clear error within the collective timeout; the
 server with --tp 2. Without processes: the step message packs and unpacks to the same
-inputs, row-parallel partial sums kept in fp32 round like TP=1's matmul, and which sums may
-take the symmetric-memory path. On 2 GPUs (`-m gpu`): that path against NCCL's all-reduce.
+inputs, row-parallel partial sums kept in fp32 round like TP=1's matmul, partial sums summed
+by the norm after them, which sums may take the symmetric-memory path, and its fused
+all-reduce + RMSNorm kernel in Triton's interpreter with a simulated peer. On 2 GPUs
+(`-m gpu`): that kernel against NCCL's all-reduce + rms_norm.
 
 Spawned ranks re-import torch, so each architecture starts one TP=2 LLM for the module.
 """
@@ -379,7 +381,7 @@ def _joined(runs):
     return tokens, top5
 
 
-# ---- the symmetric-memory all-reduce (nanoserve.distributed.symm_all_reduce) -------------------
+# ---- the fused all-reduce + RMSNorm over symmetric memory (distributed/symm_all_reduce.py) -----
 
 
 def test_symm_all_reduce_size_rule():
@@ -388,19 +390,95 @@ def test_symm_all_reduce_size_rule():
     row = 4096 * 4  # one fp32 row of a 4096-wide partial sum
     assert fits(row, torch.float32, DEFAULT_MAX_BYTES) and fits(256 * row, torch.float32, DEFAULT_MAX_BYTES)
     assert not fits(257 * row, torch.float32, DEFAULT_MAX_BYTES)  # prefill-sized: NCCL
-    assert fits(8192 * 2, torch.bfloat16, DEFAULT_MAX_BYTES)
+    assert fits(8192 * 2, torch.bfloat16, DEFAULT_MAX_BYTES) and fits(8192 * 2, torch.float16, DEFAULT_MAX_BYTES)
     assert not fits(0, torch.float32, DEFAULT_MAX_BYTES)
-    assert not fits(12, torch.float32, DEFAULT_MAX_BYTES)  # not a multiple of 16 bytes
-    assert not fits(row, torch.float16, DEFAULT_MAX_BYTES) and not fits(row, torch.int64, DEFAULT_MAX_BYTES)
+    assert not fits(row, torch.int64, DEFAULT_MAX_BYTES)
+
+
+def _interpreted_rank_call(rank, parts, flags, epochs, residual, weight, eps):
+    """One fused call as rank `rank` of len(parts), its peers simulated by plain tensors:
+    parts[q] is rank q's slot holding its partials."""
+    from nanoserve.models.triton_ops import all_reduce_rms_norm
+
+    addrs = torch.tensor([p.data_ptr() for p in parts], dtype=torch.int64)
+    flag_addrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+    return all_reduce_rms_norm(parts[rank], addrs, flag_addrs, epochs, rank, residual, weight, eps)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter (conftest sets it without a GPU)"
+)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_all_reduce_rms_norm_kernel_interpreted(rank):
+    """The fused kernel in Triton's interpreter, as rank `rank` of 2 whose peer has already
+    signalled: the sum over ranks + residual and its RMSNorm match the plain torch ops (fp32,
+    where the interpreter rounds as torch), rows beyond the programs are covered (6 rows, 4
+    programs), it signals the peer with its call count, and the counts go on across calls."""
+    from nanoserve.models.layers import add_rms_norm_plain
+
+    gen = torch.Generator().manual_seed(rank)
+    rows, width, programs, eps = 6, 48, 4, 1e-6
+    epochs = torch.zeros(programs, dtype=torch.int64)
+    flags = [torch.zeros(programs, 2, dtype=torch.int64) for _ in range(2)]
+    peer = 1 - rank
+    for call in (1, 2):
+        parts = [torch.randn(rows, width, generator=gen) for _ in range(2)]
+        residual = torch.randn(rows, width, generator=gen)
+        weight = 1 + 0.1 * torch.randn(width, generator=gen)
+        flags[rank][:, peer] = call  # the peer's programs have published their partials
+        out, total = _interpreted_rank_call(rank, parts, flags, epochs, residual, weight, eps)
+        want_out, want_total = add_rms_norm_plain(parts[0] + parts[1], residual, weight, eps)
+        torch.testing.assert_close(total, want_total, rtol=0, atol=0)
+        torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
+        assert (epochs == call).all() and (flags[peer][:, rank] == call).all() and (flags[rank][:, rank] == call).all()
+    # one row: only program 0 runs, the other programs' counts stay
+    parts = [torch.randn(1, width, generator=gen) for _ in range(2)]
+    flags[rank][0, peer] = 3
+    _interpreted_rank_call(rank, parts, flags, epochs, torch.zeros(1, width), torch.ones(width), eps)
+    assert epochs.tolist() == [3, 2, 2, 2] and flags[peer][:, rank].tolist() == [3, 2, 2, 2]
+
+
+def test_row_parallel_partials_sum_in_the_norm():
+    """Without a process group: a row-parallel layer returns partial sums (rank 0's with the
+    bias) and RMSNorm(reduce_over=...) sums them before the residual add; with the two
+    ranks' partials added by hand (what the all-reduce does) the result is TP=1's."""
+    from nanoserve.distributed import TPGroup
+    from nanoserve.models.layers import RMSNorm, RowParallelLinear
+
+    gen = torch.Generator().manual_seed(0)
+    full = RowParallelLinear(8, 6, bias=True)
+    full.weight.data.copy_(torch.randn(6, 8, generator=gen))
+    full.bias.data.copy_(torch.randn(6, generator=gen))
+    x = torch.randn(3, 8, generator=gen)
+    halves = []
+    for r in range(2):
+        layer = RowParallelLinear(8, 6, bias=True, tp=TPGroup(r, 2))
+        layer.weight.weight_loader(layer.weight, full.weight.data, None)
+        layer.bias.data.copy_(full.bias.data)
+        halves.append(layer(x[:, 4 * r : 4 * r + 4]))
+    torch.testing.assert_close(halves[0] + halves[1], full(x), rtol=1e-5, atol=1e-5)
+
+    class SummedByHand(TPGroup):
+        def all_reduce(self, t):
+            return halves[0] + halves[1]
+
+    norm = RMSNorm(6, 1e-6)
+    norm.weight.data.copy_(1 + torch.randn(6, generator=gen))
+    residual = torch.randn(3, 6, generator=gen)
+    got = norm(halves[0], residual, reduce_over=SummedByHand(0, 2))
+    want = norm(full(x), residual)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 def _symm_rank(rank: int, world: int, addr: str) -> None:
-    """One rank of test_symm_all_reduce_matches_nccl_on_gpus (spawned)."""
+    """One rank of test_fused_all_reduce_rms_norm_matches_nccl_on_gpus (spawned)."""
     import torch.distributed as dist
 
     from nanoserve.distributed import TPGroup
     from nanoserve.distributed.process_group import destroy_distributed, init_distributed
     from nanoserve.distributed.symm_all_reduce import setup_symm_all_reduce
+    from nanoserve.models.triton_ops import rms_norm
 
     device = torch.device(f"cuda:{rank}")
     ctx = init_distributed(rank, world, rank, addr, device, timeout_s=60)
@@ -408,51 +486,79 @@ def _symm_rank(rank: int, world: int, addr: str) -> None:
         symm = setup_symm_all_reduce(ctx, single_host=True)
         assert symm is not None, "the symmetric-memory all-reduce did not set up (see the log)"
         tp = TPGroup(rank, world, symm)
-        g = torch.Generator(device=device).manual_seed(1234 + rank)  # different operands on each rank
+        g = torch.Generator(device=device).manual_seed(1234 + rank)  # different partials on each rank
+        shared = torch.Generator(device=device).manual_seed(99)  # the same residual and weight everywhere
+        hidden, eps = 4096, 1e-5
+        weight = (1 + 0.1 * torch.randn(hidden, generator=shared, device=device)).bfloat16()
 
         def same_on_every_rank(t: torch.Tensor) -> bool:
             parts = torch.empty((world, *t.shape), dtype=t.dtype, device=device)
             dist.all_gather_into_tensor(parts, t.contiguous())
             return all(torch.equal(parts[0], parts[r]) for r in range(1, world))
 
-        for dtype in (torch.float32, torch.bfloat16):
-            for rows in (1, 3, 64, 256):
-                x = torch.randn(rows, 4096, generator=g, device=device).to(dtype) * 10
-                sent = x.clone()
-                want = x.clone()
-                dist.all_reduce(want)
-                assert not symm.takes(x)  # eager: NCCL
-                got = symm.all_reduce(x)
-                assert torch.equal(x, sent), "the input was modified"
-                assert got.dtype == dtype and torch.equal(got, want), (dtype, rows, (got - want).abs().max().item())
-                assert same_on_every_rank(got)
-            # Captured in a CUDA graph through TPGroup.all_reduce (the decode graphs' path), then
-            # replayed on fresh inputs.
-            static = torch.zeros(8, 4096, dtype=dtype, device=device)
-            big = torch.zeros(257, 4096, dtype=torch.float32, device=device)
+        def nccl_twin(part, residual):
+            summed = part.clone()
+            dist.all_reduce(summed)
+            return rms_norm(summed.bfloat16(), weight, eps, residual)
+
+        def check(got, want, what):
+            for name, a, b in zip(("normed", "sum"), got, want, strict=True):
+                assert a.dtype == torch.bfloat16 and torch.equal(a, b), (
+                    what,
+                    name,
+                    (a.float() - b.float()).abs().max(),
+                )
+                assert same_on_every_rank(a), (what, name)
+
+        for dtype in (torch.bfloat16, torch.float32):
+            # eager, alternating slots; 130 and 256 rows take more rows than programs
+            for i, rows in enumerate((1, 3, 64, 130, 256)):
+                part = symm._own_region(i % 2, rows, hidden, dtype)
+                part.copy_(torch.randn(rows, hidden, generator=g, device=device) * 4)
+                residual = torch.randn(rows, hidden, generator=shared, device=device).bfloat16()
+                want = nccl_twin(part, residual)
+                check(tp.reduce_rms_norm(part, residual, weight, eps), want, (dtype, rows, "eager"))
+            # captured as the decode graphs use it: partials written into partial_out's views
+            # (slot 0, then 1, four layers' worth), then replayed on fresh inputs; rank 1
+            # sleeps at a different point than rank 0, so the ranks arrive skewed.
+            rows = 8
+            inputs = [torch.zeros(rows, hidden, dtype=dtype, device=device) for _ in range(8)]
+            residual = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device)
             torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
+            graph, outs = torch.cuda.CUDAGraph(), []
             with torch.cuda.graph(graph):
-                assert symm.takes(static)
-                assert not symm.takes(big)  # above the buffer: NCCL even under capture
-                out = tp.all_reduce(static)
-            for _ in range(3):
-                static.copy_(torch.randn(static.shape, generator=g, device=device).to(dtype))
-                want = static.clone()
-                dist.all_reduce(want)
+                assert tp.partial_out(257, hidden, torch.float32, 0) is None  # above the slot: NCCL
+                res = residual
+                for j, src in enumerate(inputs):
+                    if j % 3 == rank:
+                        torch.cuda._sleep(20000)
+                    part = tp.partial_out(rows, hidden, dtype, j % 2)
+                    assert part is not None and symm.holds(part)
+                    part.copy_(src)
+                    outs.append(tp.reduce_rms_norm(part, res, weight, eps))
+                    res = outs[-1][1]
+            for _ in range(20):
+                for src in inputs:
+                    src.copy_(torch.randn(rows, hidden, generator=g, device=device) * 4)
+                residual.copy_(torch.randn(rows, hidden, generator=shared, device=device))
                 graph.replay()
-                torch.cuda.synchronize(device)
-                assert torch.equal(out, want) and same_on_every_rank(out), dtype
+                res = residual
+                for src, got in zip(inputs, outs, strict=True):
+                    want = nccl_twin(src, res)
+                    check(got, want, (dtype, "graph"))
+                    res = want[1]
+        assert tp.partial_out(8, hidden, torch.bfloat16, 0) is None  # eager: NCCL
         dist.barrier()
     finally:
         destroy_distributed()
 
 
 @pytest.mark.gpu
-def test_symm_all_reduce_matches_nccl_on_gpus():
-    """The one-shot symmetric-memory all-reduce against NCCL's on random fp32 and bf16 rows
-    (1..256 x 4096): bitwise equal at 2 ranks (a + b either way), the same bits on every
-    rank, eagerly and replayed from a CUDA graph; the input is left as it was."""
+def test_fused_all_reduce_rms_norm_matches_nccl_on_gpus():
+    """The fused all-reduce + residual add + RMSNorm over symmetric memory against NCCL's
+    all-reduce followed by rms_norm, on random bf16 and fp32 partials (1..256 x 4096): the
+    same bits, the same on every rank, eagerly and replayed 20 times from a CUDA graph of 8
+    chained calls over both slots with the ranks skewed."""
     import torch.multiprocessing as mp
 
     from nanoserve.distributed.process_group import free_port
@@ -460,5 +566,5 @@ def test_symm_all_reduce_matches_nccl_on_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # never multicast (shared hosts)
-    os.environ["NANOSERVE_SYMM_MEM"] = "1"  # opt-in; the spawned ranks inherit it
+    os.environ["NANOSERVE_SYMM_MEM"] = "1"  # the spawned ranks inherit it
     mp.spawn(_symm_rank, args=(2, f"127.0.0.1:{free_port()}"), nprocs=2, join=True)

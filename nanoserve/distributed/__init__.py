@@ -5,10 +5,10 @@ Owns: `TPGroup`. With size 1 (the default) every collective is the identity, so 
 code is the same with and without tensor parallelism. The collectives run on the default
 torch.distributed group (NCCL on CUDA, gloo on CPU); they read no device data on the host,
 so CUDA graphs capture them (every rank must then capture and replay the same graphs in
-the same order: see nanoserve.distributed.tp_runner). With NANOSERVE_SYMM_MEM=1, on one
-host's GPUs, the small sums captured in CUDA graphs (decode) go through torch's symmetric
-memory instead of NCCL (`symm`, see nanoserve.distributed.symm_all_reduce); every rank
-makes the same choice.
+the same order: see nanoserve.distributed.tp_runner). On one host's GPUs the row-parallel
+layers' sums captured in CUDA graphs (decode) are instead fused with the RMSNorm after them
+over symmetric memory (`symm`, see nanoserve.distributed.symm_all_reduce; NANOSERVE_SYMM_MEM=0
+turns it off); every rank makes the same choice.
 """
 
 from __future__ import annotations
@@ -31,14 +31,27 @@ class TPGroup:
     symm: SymmAllReduce | None = field(default=None, compare=False, repr=False)  # decode sums' fast path
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks. Returns the sum: x itself, summed in place (NCCL, gloo), or a new
-        tensor (the symmetric-memory path, which leaves x as it was): use the result."""
-        if self.size == 1:
-            return x
-        if self.symm is not None and self.symm.takes(x):
-            return self.symm.all_reduce(x)
-        dist.all_reduce(x)
+        """Sum over ranks, in place (NCCL, gloo); returns x."""
+        if self.size > 1:
+            dist.all_reduce(x)
         return x
+
+    def partial_out(self, rows: int, width: int, dtype: torch.dtype, slot: int) -> torch.Tensor | None:
+        """Where a row-parallel layer should write its partial sums [rows, width] so that the
+        norm after it can sum them in place (`reduce_rms_norm`), or None: any new tensor."""
+        if self.size == 1 or self.symm is None:
+            return None
+        return self.symm.partial_out(rows, width, dtype, slot)
+
+    def reduce_rms_norm(
+        self, part: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(RMSNorm(s), s) for s = sum over ranks of `part` + residual, in one fused launch
+        when `part` came from `partial_out`; None when it did not (the caller then sums with
+        `all_reduce` and normalises itself)."""
+        if self.size == 1 or self.symm is None or not self.symm.holds(part):
+            return None
+        return self.symm.all_reduce_rms_norm(part, residual, weight, eps)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x concatenated along the last dim, rank order (one collective into a

@@ -1,46 +1,48 @@
-"""Decode-sized all-reduces over torch's symmetric memory: a one-shot all-reduce that every
-rank's GPU runs by reading its peers' buffers directly over NVLink. Measured on 2 H200s
-(llama-3.1-8b, benchmarks/tp_profile.py): inside a decode step it costs about what NCCL's
-does (6.9 against 6.3 us for one fp32 row), but the step's first collective waits far less
-for the other rank (11 against 54 us), so batch-1 steps take 3.15 instead of 3.27 ms; at
-256 rows the two tie. (Alone, back to back, NCCL's looks 3x slower: tp_comm.py.)
+"""The decode path's all-reduces fused with the RMSNorm after them, over symmetric memory: the
+row-parallel layers (o_proj, down_proj) write their partial sums straight into a buffer that
+every GPU of the host can read, and one Triton kernel per reduction reads every rank's
+partials over NVLink, adds them and the residual, and normalises
+(`triton_ops.all_reduce_rms_norm`). NCCL's all-reduce plus the norm took two launches, the
+first of which cannot start early under PDL.
 
-Opt-in (NANOSERVE_SYMM_MEM=1; NCCL for every sum by default): the gain is small (3% at
-batch 1) and a peer that dies inside this kernel leaves the others spinning with no timeout
-of their own, a failure mode not yet tried on GPUs (see the last invariant).
+Owns: `SymmAllReduce` (one symmetric buffer: two slots for partial sums and one flag array;
+the rule for which sums use it; the fused call) and `setup_symm_all_reduce` (the collective
+set-up that every rank runs, with its fallback to NCCL).
 
-Owns: `SymmAllReduce` (one symmetric buffer and the rule for which sums use it) and
-`setup_symm_all_reduce` (the collective set-up that every rank runs, with its fallback).
-
-When a sum takes this path (`SymmAllReduce.takes`): a CUDA tensor, fp32 or bf16, of at most
-`max_bytes` (NANOSERVE_SYMM_MEM_MAX_BYTES, default 4 MiB = 256 rows x 4096 x fp32) and a
-multiple of 16 bytes, summed while a CUDA graph is being captured (the decode graphs). Every
-other sum, eager forwards (prefill, decode batches above the largest graph, the eager twin)
-included, goes to NCCL, as on CPU (gloo), across hosts, without NANOSERVE_SYMM_MEM=1 (NCCL
-is the slow twin) and after any set-up failure. Why captures only: capture is where the small per-layer
-sums of decode live, and a replay does no host work, while an eager call of torch's op looks
-the buffer up again on the host (and newer torch versions check it through the store).
+When a sum takes this path: a row-parallel layer asks `partial_out(rows, width, dtype, slot)`
+for its output; it gets a view of this rank's slot when a CUDA graph is being captured on a
+CUDA device and the partials fit (`fits`: fp32, bf16 or fp16, at most `max_bytes`,
+NANOSERVE_SYMM_MEM_MAX_BYTES, default 4 MiB = 256 rows x 4096 x fp32), else None (a normal
+tensor, summed by NCCL). The norm that consumes the partials (layers.RMSNorm with
+`reduce_over`) runs the fused kernel when `holds(x)` says x is such a view, NCCL's
+all-reduce and the plain norm otherwise. So the decode graphs take it; eager forwards
+(prefill, decode batches above the largest graph, the eager twin), CPU (gloo), several hosts
+and NANOSERVE_SYMM_MEM=0 use NCCL, which is the slow twin.
 
 Invariants:
-- The rule reads only the tensor's dtype, size and the capture state, which are the same on
-  every rank for a given call (all ranks run the same forward and capture the same graphs in
-  the same order), so every rank takes the same path for every call: a rank that went to
-  NCCL while its peer waited in the symmetric kernel would hang both.
-- One buffer of `max_bytes` per process, allocated and exchanged once at start, before the
-  KV cache is sized. Every call stages its input there: torch's kernel copies this rank's
-  input into its own buffer, waits until every peer has done the same (a per-block flag
-  exchange), reads all ranks' buffers and adds them in rank order (rank 0 first), and waits
-  again before it returns, so the next call may overwrite the buffer. Calls are therefore
-  serial on the current stream, in the same order on every rank, like NCCL's.
-- The sum is the same bits on every rank (same operands, same order), and for 2 ranks it is
-  exactly NCCL's: a + b with one rounding in the tensor's dtype. Row-parallel partials are
-  summed in the model dtype, or with NANOSERVE_TP_REDUCE_FP32=1 in fp32 and rounded once
-  afterwards by the caller (models/layers.py).
-- The result is a new tensor from the current allocator (the graph's pool under capture);
-  the input is not modified.
+- The rule reads only shapes, dtypes and the capture state, which are the same on every rank
+  for a given call (all ranks run the same forward and capture the same graphs in the same
+  order), so every rank takes the same path: a rank that went to NCCL while its peer waited
+  in the fused kernel would hang both.
+- Calls are serial on the stream and made in the same order, with the same row count, on
+  every rank. Program p of each call counts its calls (`epochs[p]`, device memory, so graph
+  replays count too), publishes the count in every rank's flag array once its own partials
+  are complete (the kernel starts only after the matmul that wrote them finished; a
+  system-scope release), and reads the peers' partials only after every rank's flag for p
+  has reached that count (an acquire).
+- A slot is rewritten only after a reduction on the other slot: o_proj uses slot 0 and
+  down_proj slot 1, which alternate, and both take or skip the path together (same rows,
+  width and dtype). A rank can only finish the reduction on slot 1 once every peer has
+  started it, i.e. has finished the previous reduction on slot 0, so nobody still reads a
+  slot that its owner's next matmul overwrites. (Sums that skip the path do not touch it.)
+- The sum is the same bits on every rank (same operands, added in rank order, rounded once
+  to the model dtype), for 2 ranks NCCL's; the residual add and the norm then round as
+  `rms_norm` does. Partials are in the model dtype, or in fp32 with
+  NANOSERVE_TP_REDUCE_FP32=1 (models/layers.py).
+- One buffer of 2 x `max_bytes` + the flags per process, allocated, zeroed and exchanged once
+  at start, before the KV cache is sized.
 - NVLink multicast is never used: TORCH_SYMM_MEM_DISABLE_MULTICAST defaults to 1 here (the
-  one-shot kernel needs only peer-to-peer loads, and multicast objects cost set-up and, on
-  shared hosts, risk).
+  kernel needs only peer-to-peer loads and stores, and multicast risks shared hosts).
 - The kernel's waits have no timeout of their own: a peer that dies mid-step leaves this
   rank's kernel spinning, as a captured NCCL kernel would wait for it. The next step's NCCL
   payload broadcast, queued behind it, is then expected to time out in NCCL's watchdog after
@@ -58,66 +60,100 @@ import torch.distributed as dist
 log = logging.getLogger("nanoserve")
 
 DEFAULT_MAX_BYTES = 256 * 4096 * 4  # 256 decode rows of a 4096-wide fp32 partial sum
-_DTYPES = (torch.float32, torch.bfloat16)
-_ALIGN = 16  # torch's kernel needs the input and its buffer view equally aligned; 16 B is its widest
+SLOTS = 2  # o_proj's partials in slot 0, down_proj's in slot 1 (see the module docstring)
+MAX_PROGRAMS = 128  # programs per fused call (each takes rows p, p + 128, ...): all co-resident
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ALIGN = 256  # slot and flag offsets in the buffer
 
 
 def fits(nbytes: int, dtype: torch.dtype, max_bytes: int) -> bool:
     """The size and dtype part of the rule (pure, so CPU tests check it)."""
-    return dtype in _DTYPES and 0 < nbytes <= max_bytes and nbytes % _ALIGN == 0
+    return dtype in _DTYPES and 0 < nbytes <= max_bytes
+
+
+def enabled() -> bool:
+    return os.environ.get("NANOSERVE_SYMM_MEM", "1") != "0"
 
 
 class SymmAllReduce:
-    """Sum over the default group's ranks through one symmetric buffer (see module)."""
+    """This rank's symmetric buffer and the fused reduce + norm over it (see module).
+    Layout: SLOTS slots of `max_bytes`, then the flag array ([MAX_PROGRAMS, world] int64)."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str, max_bytes: int):
-        self.buffer = buffer  # uint8 [max_bytes], rendezvoused on every rank
-        self.group_name = group_name
+    def __init__(self, buffer: torch.Tensor, peer_bases: list[int], rank: int, max_bytes: int):
+        self.buffer = buffer  # uint8 [buffer_bytes(max_bytes, world)], rendezvoused on every rank
+        self.rank = rank
         self.max_bytes = max_bytes
-
-    def takes(self, x: torch.Tensor) -> bool:
-        return (
-            x.is_cuda
-            and fits(x.numel() * x.element_size(), x.dtype, self.max_bytes)
-            and torch.cuda.is_current_stream_capturing()
+        device = buffer.device
+        self.slot_addrs = [  # per slot: its address in every rank's buffer, rank order
+            torch.tensor([base + s * max_bytes for base in peer_bases], dtype=torch.int64, device=device)
+            for s in range(SLOTS)
+        ]
+        self.flag_addrs = torch.tensor(
+            [base + SLOTS * max_bytes for base in peer_bases], dtype=torch.int64, device=device
         )
+        self.epochs = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's x, as a new tensor (x is left as it was). Any size that
-        `fits`, captured or not (the tests call it eagerly); every rank must call it."""
-        if not x.is_contiguous() or (x.storage_offset() * x.element_size()) % _ALIGN:
-            x = x.clone(memory_format=torch.contiguous_format)  # torch's kernel: same alignment as the buffer
-        staged = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
-        return torch.ops.symm_mem.one_shot_all_reduce_copy(staged, x, "sum", self.group_name)
+    @staticmethod
+    def buffer_bytes(max_bytes: int, world: int) -> int:
+        return SLOTS * max_bytes + MAX_PROGRAMS * world * 8
+
+    def _own_region(self, slot: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        start = slot * self.max_bytes
+        return self.buffer[start : start + rows * width * dtype.itemsize].view(dtype).view(rows, width)
+
+    def partial_out(self, rows: int, width: int, dtype: torch.dtype, slot: int) -> torch.Tensor | None:
+        """Where a row-parallel layer writes its partial sums [rows, width]: a view of this
+        rank's slot when the fused path takes this sum, else None."""
+        if fits(rows * width * dtype.itemsize, dtype, self.max_bytes) and torch.cuda.is_current_stream_capturing():
+            return self._own_region(slot, rows, width, dtype)
+        return None
+
+    def _slot_of(self, x: torch.Tensor) -> int | None:
+        if not x.is_cuda or x.dim() != 2 or not x.is_contiguous() or x.device != self.buffer.device:
+            return None
+        offset = x.data_ptr() - self.buffer.data_ptr()
+        return offset // self.max_bytes if offset in [s * self.max_bytes for s in range(SLOTS)] else None
+
+    def holds(self, x: torch.Tensor) -> bool:
+        """Whether x is a view that `partial_out` handed out (so its peers' copies exist)."""
+        return self._slot_of(x) is not None
+
+    def all_reduce_rms_norm(
+        self, part: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(s), s) for s = sum over ranks of `part` + residual; `part` must be held.
+        Every rank must call it for the same slot, in the same order."""
+        from nanoserve.models.triton_ops import all_reduce_rms_norm
+
+        slot = self._slot_of(part)
+        return all_reduce_rms_norm(
+            part, self.slot_addrs[slot], self.flag_addrs, self.epochs, self.rank, residual, weight, eps
+        )
 
 
 def setup_symm_all_reduce(ctx, single_host: bool) -> SymmAllReduce | None:
     """Every rank calls this right after joining (`ctx`: process_group.DistContext). Returns
     the fast path, or None (NCCL for everything) on every rank alike. Each step's outcome is
-    agreed over the gloo control group before the next: no rank launches a symmetric kernel
+    agreed over the gloo control group before the next: no rank launches the fused kernel
     unless every rank has its buffer, and the trial sum's values are checked on every rank."""
     if ctx.device.type != "cuda" or ctx.world_size < 2:
         return None
-    if os.environ.get("NANOSERVE_SYMM_MEM", "0") != "1" or not single_host:
+    if not enabled() or not single_host:
         # The same on every rank (the environment is inherited; --nnodes is one setting), so
         # no agreement is needed. Peer-to-peer loads reach only the GPUs of one host.
         if ctx.rank == 0:
-            why = "NANOSERVE_SYMM_MEM=1 turns the symmetric-memory path on" if single_host else "ranks on several hosts"
+            why = "NANOSERVE_SYMM_MEM=0" if single_host else "ranks on several hosts"
             log.info("tensor parallel: NCCL for every all-reduce (%s)", why)
         return None
-    reason = None
-    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
-        reason = f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy"
-    symm = None
-    if reason is None:
-        try:
-            symm = _allocate(ctx.device)
-        except Exception as exc:  # noqa: BLE001 - any failure falls back to NCCL
-            reason = _failed("set-up", exc)
-    if not all(_gather_flags(ctx, reason is None)):
+    symm, reason = None, None
+    try:
+        symm = _allocate(ctx)
+    except Exception as exc:  # noqa: BLE001 - any failure falls back to NCCL
+        reason = _failed("set-up", exc)
+    if not all(_gather_flags(ctx, reason is None)):  # also the barrier after the flags' zeroing
         _fallback(ctx, reason or "another rank could not set it up")
         return None
-    sums, reason = [], None
+    sums = []
     try:
         sums = _launch_trial(symm, ctx)
     except Exception as exc:  # noqa: BLE001
@@ -136,42 +172,50 @@ def setup_symm_all_reduce(ctx, single_host: bool) -> SymmAllReduce | None:
         return None
     if ctx.rank == 0:
         log.info(
-            "tensor parallel: sums of up to %d bytes captured in CUDA graphs use the symmetric-memory "
-            "one-shot all-reduce; NCCL for the rest",
+            "tensor parallel: decode sums of up to %d bytes captured in CUDA graphs are fused with their "
+            "RMSNorm over symmetric memory; NCCL for the rest",
             symm.max_bytes,
         )
     return symm
 
 
-def _allocate(device: torch.device) -> SymmAllReduce:
+def _allocate(ctx) -> SymmAllReduce:
     import torch.distributed._symmetric_memory as symm_mem
 
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     get_backend = getattr(symm_mem, "get_backend", None)
-    if get_backend is not None and get_backend(device) not in (None, "CUDA"):
+    if get_backend is not None and get_backend(ctx.device) not in (None, "CUDA"):
         # torch's own CUDA backend: peer mappings of plain device memory, freed locally (the
         # NVSHMEM backend's free is a collective, which an exit on one rank could hang).
         symm_mem.set_backend("CUDA")
     max_bytes = int(os.environ.get("NANOSERVE_SYMM_MEM_MAX_BYTES", DEFAULT_MAX_BYTES))
     max_bytes -= max_bytes % _ALIGN
     group = dist.group.WORLD
-    buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-    symm_mem.rendezvous(buffer, group)
-    return SymmAllReduce(buffer, group.group_name, max_bytes)
+    buffer = symm_mem.empty(SymmAllReduce.buffer_bytes(max_bytes, ctx.world_size), dtype=torch.uint8, device=ctx.device)
+    handle = symm_mem.rendezvous(buffer, group)
+    buffer.zero_()  # the flags start at 0, as the epochs do
+    torch.cuda.synchronize(ctx.device)  # zeroed before any peer can signal (the caller's gather follows)
+    return SymmAllReduce(buffer, [int(p) for p in handle.buffer_ptrs], ctx.rank, max_bytes)
 
 
 def _launch_trial(symm: SymmAllReduce, ctx) -> list[torch.Tensor]:
-    """One eager sum of known values in each dtype (checked by `_check_trial`)."""
-    return [
-        symm.all_reduce(torch.full((2, 64), float(ctx.rank + 1), dtype=dtype, device=ctx.device)) for dtype in _DTYPES
-    ]
+    """One eager fused call per partial dtype on known values (checked by `_check_trial`):
+    partials rank + 1, residual 1, so the sum is n(n+1)/2 + 1 everywhere."""
+    sums = []
+    for slot, dtype in enumerate((torch.bfloat16, torch.float32)):
+        part = symm._own_region(slot, 2, 64, dtype)
+        part.fill_(float(ctx.rank + 1))
+        residual = torch.ones(2, 64, dtype=torch.bfloat16, device=ctx.device)
+        weight = torch.ones(64, dtype=torch.bfloat16, device=ctx.device)
+        sums.append(symm.all_reduce_rms_norm(part, residual, weight, 1e-6)[1])
+    return sums
 
 
 def _check_trial(sums: list[torch.Tensor], n: int) -> str | None:
-    want = n * (n + 1) / 2
+    want = n * (n + 1) / 2 + 1
     for got in sums:
         if not bool((got == want).all()):
-            return f"the trial sum in {got.dtype} gave {got.flatten()[:2].tolist()}, want {want}"
+            return f"the trial sum gave {got.flatten()[:2].tolist()}, want {want}"
     return None
 
 

@@ -16,10 +16,10 @@ Process layout (N = tensor_parallel_size, L = N / nnodes ranks per host):
   scheduler made since the last step (forks of n > 1 requests); every rank then runs the
   same forward, whose collectives shard the work. The LM head gathers full logits on
   every rank; rank 0 samples, the others drop them.
-- All-reduces: NCCL (gloo on CPU), except the small sums captured in decode CUDA graphs on
-  one host's GPUs, which use torch's symmetric-memory one-shot all-reduce (set up here right
-  after the rendezvous, identically on every rank: nanoserve.distributed.symm_all_reduce;
-  opt-in with NANOSERVE_SYMM_MEM=1).
+- All-reduces: NCCL (gloo on CPU), except the row-parallel sums captured in decode CUDA
+  graphs on one host's GPUs, which are fused with the RMSNorm after them over symmetric
+  memory (set up here right after the rendezvous, identically on every rank:
+  nanoserve.distributed.symm_all_reduce; NANOSERVE_SYMM_MEM=0 turns it off).
 - CUDA graphs: every rank captures the same decode graphs in the same order while the
   engine starts (`ModelRunner.setup_cuda_graphs`, run by every rank's `LLMEngine`), so each
   captured collective has its peers; a step names the graph to replay (`graph_bs`) and

@@ -76,7 +76,7 @@ class Attention(nn.Module):
             kv = [RowSlice(name, head * d, d) for name in ("k", "v")]
         q = RowSlice.split("q", cfg.num_heads * d, tp)
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, *kv], bias=cfg.qkv_bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=False, tp=tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=False, tp=tp, reduce_slot=0)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.head_dim = d
@@ -94,7 +94,7 @@ class Attention(nn.Module):
         return q, k, v
 
     def after_attention(self, out: torch.Tensor) -> torch.Tensor:
-        """The output projection of the attention result [T, Hq, D]."""
+        """The output projection of the attention result [T, Hq, D] (this rank's partial sums)."""
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
@@ -103,34 +103,38 @@ class MLP(nn.Module):
         super().__init__()
         parts = [RowSlice.split(name, cfg.intermediate_size, tp) for name in ("gate", "up")]
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, parts, bias=False)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False, tp=tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False, tp=tp, reduce_slot=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums of the MLP's output (see RowParallelLinear)."""
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
         super().__init__()
+        self.tp = tp
         self.self_attn = Attention(cfg, layer_id, tp)
         self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def before_attention(self, positions, hidden, residual, rotary) -> AttentionInputs:
-        """Input norm (adding the previous layer's output to the residual stream; the first
-        layer starts the stream with the embedding) and the attention inputs."""
+        """Input norm (adding the previous layer's output, partial sums under TP, to the
+        residual stream; the first layer starts the stream with the embedding) and the
+        attention inputs."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, reduce_over=self.tp)
         return AttentionInputs(*self.self_attn.before_attention(positions, hidden, rotary), residual)
 
     def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Output projection, post-attention norm (+ residual) and MLP: (MLP output, residual)."""
+        """Output projection, post-attention norm (+ residual) and MLP: (MLP output, residual);
+        under TP the MLP output is this rank's partial sums, summed by the next norm."""
         hidden = self.self_attn.after_attention(attn_out)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, reduce_over=self.tp)
         return self.mlp(hidden), residual
 
 
@@ -168,7 +172,7 @@ class DecoderLM(nn.Module):
         else:
             hidden, residual = self.layers[i - 1].after_attention(attn_out, residual)
         if i == len(self.layers):
-            return self.norm(hidden, residual)[0]
+            return self.norm(hidden, residual, reduce_over=self.tp)[0]
         return self.layers[i].before_attention(positions, hidden, residual, self.rotary)
 
     def attention_scale(self, i: int) -> float:

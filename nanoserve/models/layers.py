@@ -7,8 +7,10 @@ torch functions below and the Triton decode kernels of triton_ops.py on CUDA.
 Sharding invariants (rank r of a group of size N):
 - a column-parallel linear holds rows [r*out/N, (r+1)*out/N) of every merged part
   (q/k/v or gate/up), so each rank computes its own heads / intermediate slice;
-- a row-parallel linear holds the matching input columns and all-reduces its output;
-  its bias (if any) is added once, after the reduction;
+- a row-parallel linear holds the matching input columns and returns its partial sums
+  (rank 0's plus the bias, so the sum holds it once); the RMSNorm that follows sums them
+  over the ranks (`reduce_over`), fused with its residual add where symmetric memory
+  allows (nanoserve/distributed/symm_all_reduce.py);
 - the embedding holds vocabulary rows [r*V/N, (r+1)*V/N); lookups outside the slice give
   zeros and the all-reduce fills them in; the LM head gathers the logit slices.
 Each parameter carries a `weight_loader(param, full_tensor, shard_id)` that cuts the
@@ -90,14 +92,18 @@ def triton_ops():
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp32_out: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    fp32_out: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W^T (+ b) in x's dtype, or with `fp32_out` in fp32, accumulated in fp32 and never
-    rounded to x's dtype. On CUDA the Triton small-M kernel runs where
-    `triton_ops.linear_config` says it beats cuBLAS for this shape (decode batches of up to
-    256 rows; split-K on narrow matrices); otherwise F.linear, or for fp32_out cuBLAS with an
-    fp32 output (`torch.mm(..., out_dtype)`), or on CPU (the slow twin) the matmul of fp32
-    copies."""
+    rounded to x's dtype; written into `out` ([rows, N], dense, of that dtype) when given. On
+    CUDA the Triton small-M kernel runs where `triton_ops.linear_config` says it beats cuBLAS
+    for this shape (decode batches of up to 256 rows; split-K on narrow matrices); otherwise
+    cuBLAS (F.linear, or torch.mm / addmm into `out`), or for fp32_out cuBLAS with an fp32
+    output (`torch.mm(..., out_dtype)`), or on CPU (the slow twin) the matmul of fp32 copies."""
     fp32_out = fp32_out and x.dtype != torch.float32
     k, n = x.shape[-1], weight.shape[0]
     rows = x.numel() // k if k else 0
@@ -105,17 +111,28 @@ def linear(
         ops = triton_ops()
         config = ops.linear_config(rows, n, k, x.dtype)
         if config is not None:
-            out = torch.empty(rows, n, dtype=torch.float32 if fp32_out else x.dtype, device=x.device)
+            if out is None:
+                out = torch.empty(rows, n, dtype=torch.float32 if fp32_out else x.dtype, device=x.device)
             ops.small_m_linear(x.reshape(rows, k), weight, bias, config, out=out)
             return out.view(*x.shape[:-1], n)
     if not fp32_out:
-        return F.linear(x, weight, bias)
+        if out is None:
+            return F.linear(x, weight, bias)
+        x2 = x.reshape(rows, k)
+        if bias is None:
+            torch.mm(x2, weight.t(), out=out)
+        else:
+            torch.addmm(bias, x2, weight.t(), out=out)
+        return out.view(*x.shape[:-1], n)
     if not x.is_cuda:
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    out = torch.mm(x.reshape(rows, k), weight.t(), torch.float32)
+        y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return y if out is None else out.copy_(y.reshape(rows, n)).view(*x.shape[:-1], n)
+    y = torch.mm(x.reshape(rows, k), weight.t(), torch.float32)
     if bias is not None:
-        out += bias
-    return out.view(*x.shape[:-1], n)
+        y += bias
+    if out is not None:
+        y = out.copy_(y)
+    return y.view(*x.shape[:-1], n)
 
 
 rms_norm = fused(rms_norm_plain)
@@ -158,9 +175,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce_over: TPGroup = SINGLE):
         """With `residual`, adds it first and returns (normed, sum) so the sum can be the
-        next residual. On CUDA, rows of a 2-D x go through the Triton kernel (one launch)."""
+        next residual. On CUDA, rows of a 2-D x go through the Triton kernel (one launch).
+        With `reduce_over` (and a residual), x holds this rank's partial sums of a
+        row-parallel layer: they are summed over the group first, fused with the add and
+        the norm where the group's symmetric-memory path holds x, else by its all-reduce."""
+        if reduce_over.size > 1:
+            fused = reduce_over.reduce_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = reduce_over.all_reduce(x).to(self.weight.dtype)  # fp32 partials: rounded once, here
         dense = x.dim() == 2 and x.stride(1) == 1 and x.dtype == self.weight.dtype
         if residual is not None:
             dense = dense and residual.shape == x.shape and residual.stride(-1) == 1 and residual.dtype == x.dtype
@@ -283,9 +308,10 @@ TP_REDUCE_FP32 = os.environ.get("NANOSERVE_TP_REDUCE_FP32", "0") == "1"
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup = SINGLE):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup = SINGLE, reduce_slot: int = 0):
         super().__init__()
         self.tp = tp
+        self.reduce_slot = reduce_slot  # symmetric-memory slot of its partials (symm_all_reduce)
         self.weight = nn.Parameter(torch.empty(output_size, _shard(input_size, tp, "row-parallel input")))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
         self.weight.weight_loader = self._load_weight
@@ -297,14 +323,17 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(full[:, self.tp.rank * cols : (self.tp.rank + 1) * cols])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1 or not TP_REDUCE_FP32:
-            out = self.tp.all_reduce(linear(x, self.weight))
-        else:
-            # TP=1 rounds each output once, at the end of its full-width matmul; here the
-            # partials stay fp32 through the all-reduce and are rounded once, as TP=1 does,
-            # for twice the bytes on the wire (opt-in, see TP_REDUCE_FP32).
-            out = self.tp.all_reduce(linear(x, self.weight, fp32_out=True)).to(x.dtype)
-        return out if self.bias is None else out + self.bias
+        """This rank's partial sums x_r W_r^T, rank 0's plus the bias: the layer's output once
+        summed over the group, which the RMSNorm after it does (`reduce_over`), fused with
+        its residual add where it can. With TP=1 the partial sum is the output."""
+        # TP=1 rounds each output once, at the end of its full-width matmul; with
+        # TP_REDUCE_FP32 the partials stay fp32 through the sum and are rounded once after
+        # it, as TP=1 does, for twice the bytes on the wire (opt-in).
+        fp32 = self.tp.size > 1 and TP_REDUCE_FP32
+        rows, n = x.numel() // x.shape[-1], self.weight.shape[0]
+        out = self.tp.partial_out(rows, n, torch.float32 if fp32 else x.dtype, self.reduce_slot)
+        bias = self.bias if self.tp.rank == 0 else None
+        return linear(x, self.weight, bias, fp32_out=fp32, out=out)
 
 
 class VocabParallelEmbedding(nn.Module):
