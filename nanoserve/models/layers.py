@@ -182,7 +182,7 @@ class RMSNorm(nn.Module):
         row-parallel layer: they are summed over the group first, fused with the add and
         the norm where the group's symmetric-memory path holds x, else by its all-reduce."""
         if reduce_over.size > 1:
-            fused = reduce_over.reduce_rms_norm(x, residual, self.weight, self.eps)
+            fused = None if residual is None else reduce_over.reduce_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused
             x = reduce_over.all_reduce(x).to(self.weight.dtype)  # fp32 partials: rounded once, here
