@@ -1,8 +1,9 @@
 """Programmatic dependent launch (PDL, Hopper and later) for the engine's Triton kernels.
 
 Owns the `NANOSERVE_PDL` switch, `launch_options(device)` (a kernel's USE_PDL constexpr and
-Triton's launch_pdl option) and the grid-dependency calls `gdc_wait` /
-`gdc_launch_dependents` (no-ops on a Triton without them).
+Triton's launch_pdl option), the grid-dependency calls `gdc_wait` /
+`gdc_launch_dependents` (no-ops on a Triton without them) and `pdl_start`, the prologue that
+calls both.
 
 A kernel launched with PDL may start while the previous kernel in the stream (or CUDA graph)
 is still running. Invariants every such kernel keeps:
@@ -23,6 +24,7 @@ from dataclasses import fields
 
 import torch
 import triton
+import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -40,6 +42,15 @@ except ImportError:  # an older Triton: the kernels never take the PDL branches
     @triton.jit
     def gdc_launch_dependents():
         pass
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """Every PDL kernel's prologue (see the invariants): let the next kernel launch now, then
+    wait until the previous one has completed. A no-op without PDL."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 PDL = os.environ.get("NANOSERVE_PDL", "1") != "0"  # read at each launch: tests may flip it

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from nanoserve.attention.base import CascadeInputs
 from nanoserve.attention.cascade import ITEM_FIELDS, MAX_CASCADE_PARTS
-from nanoserve.triton_pdl import gdc_launch_dependents, gdc_wait, launch_options
+from nanoserve.triton_pdl import launch_options, pdl_start
 
 LOG2E = 1.4426950408889634
 
@@ -197,9 +197,7 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, TO_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # launched early (nanoserve/triton_pdl.py): wait before reading anything
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_start(USE_PDL)  # launched early (nanoserve/triton_pdl.py): wait before reading anything
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # a negative slot marks a token whose K/V must not be kept
@@ -268,9 +266,7 @@ def _decode_split_kernel(
     MIN_SPLIT: tl.constexpr, DIRECT: tl.constexpr, HAS_START: tl.constexpr, DOT_F32: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # launched early (nanoserve/triton_pdl.py): wait before reading anything
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_start(USE_PDL)  # launched early (nanoserve/triton_pdl.py): wait before reading anything
 
     # One program = one (request, kv head, split): the GROUP query heads sharing the kv head
     # are the rows of one tile, so each K/V block is loaded once for the whole group.
@@ -324,9 +320,7 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_CASCADE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # launched early (nanoserve/triton_pdl.py): wait before reading anything
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_start(USE_PDL)  # launched early (nanoserve/triton_pdl.py): wait before reading anything
 
     # Merges a (request, head)'s partial results: the split kernel's active splits (columns
     # 0..), and with HAS_CASCADE the prefix kernel's num_parts[b] (columns num_splits..).

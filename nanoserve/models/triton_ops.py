@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from nanoserve.triton_pdl import gdc_launch_dependents, gdc_wait, launch_options
+from nanoserve.triton_pdl import launch_options, pdl_start
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Triton's interpreter computes bf16 tl.dot wrongly (see attention/triton_kernels.py): under the
@@ -114,8 +114,7 @@ def _linear_fma_kernel(
         # weight tile into L2 meanwhile (weights are never written), then wait before reading x.
         lines = tl.minimum(tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)  # within the rows
         _prefetch_l2(w_ptr + rn_in[:, None] * stride_wn + lines[None, :])
-        gdc_launch_dependents()
-        gdc_wait()
+        pdl_start(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs).to(tl.float32)
@@ -159,9 +158,7 @@ def _linear_dot_kernel(
     multiple of BLOCK_K; the last split is masked at K). SPLIT_K == 1: adds the bias and stores
     the tile in y's dtype. SPLIT_K > 1: y is the fp32 workspace [SPLIT_K, M, N] (dense) and the
     unrounded partial goes to plane s; `_sum_splits_kernel` adds the planes."""
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_start(USE_PDL)
     rm, rn, rk = _tile_ranges(BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_K > 1:
         rk += tl.program_id(2) * K_SPLIT
@@ -208,9 +205,7 @@ def _sum_splits_kernel(
     mask = cols < N
     if HAS_BIAS:  # a weight: read before the wait
         b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_start(USE_PDL)
     ptrs = ws_ptr + row * N + cols
     plane = tl.num_programs(1).to(tl.int64) * N  # M (an M of 1 arrives as a constexpr)
     acc = tl.load(ptrs, mask=mask, other=0.0)
@@ -424,9 +419,7 @@ def _qk_norm_rope_kernel(
     HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (t, j): token t; head block j of q, or of k once j passes q's blocks.
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     d = tl.arange(0, BLOCK_HALF)
@@ -498,9 +491,7 @@ def _rms_norm_kernel(
     mask = _lanes(cols, N)
     dtype = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if USE_PDL:
-        gdc_launch_dependents()  # the next matmul starts streaming its weights now
-        gdc_wait()
+    pdl_start(USE_PDL)  # the next matmul starts streaming its weights now
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -556,9 +547,7 @@ def _all_reduce_rms_norm_kernel(
     waits until every rank's entry (p, q) in its own array has reached the count, and then
     reads its rows from every rank's slot over NVLink and sums them."""
     w = tl.load(w_ptr + tl.arange(0, BLOCK), mask=_lanes(tl.arange(0, BLOCK), N), other=0.0).to(tl.float32)
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()  # the matmul that wrote this rank's partials has completed
+    pdl_start(USE_PDL)  # the matmul that wrote this rank's partials has completed
     pid = tl.program_id(0)
     epoch = tl.load(epoch_ptr + pid) + 1  # this program's call count, the same on every rank
     tl.store(epoch_ptr + pid, epoch)
@@ -575,7 +564,7 @@ def _all_reduce_rms_norm_kernel(
     mask = _lanes(cols, N)
     dtype = out_ptr.dtype.element_ty
     programs = tl.num_programs(0)
-    for i in range(0, tl.cdiv(M - pid, programs)):
+    for i in range(tl.cdiv(M - pid, programs)):
         row = pid.to(tl.int64) + i * programs
         acc = tl.zeros([BLOCK], tl.float32)
         for q in tl.static_range(WORLD):  # rank order, so every rank adds the same way
@@ -635,9 +624,7 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr, EVEN: tl.constexpr, PRECISE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (t, j): row t, output columns j*BLOCK .. (j+1)*BLOCK of silu(gate) * up."""
-    if USE_PDL:
-        gdc_launch_dependents()  # the down projection starts streaming its weights now
-        gdc_wait()
+    pdl_start(USE_PDL)  # the down projection starts streaming its weights now
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     gate_ptrs = x_ptr + row * stride_x + cols
