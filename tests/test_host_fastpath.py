@@ -292,6 +292,60 @@ def test_replay_copies_inputs_prepared_elsewhere(model_dir):
     assert_idle(llm)
 
 
+def test_tp_worker_receives_graph_inputs_in_place(model_dir):
+    """Tensor parallelism's in-place decode step: rank 0's packed static bytes, received as
+    they are into a worker's static buffer (here: copied, as the broadcast would), give the
+    worker the same inputs and the same logits as rank 0, with nothing else sent but the
+    control message's header and host ints."""
+    from nanoserve.distributed.tp_runner import HEADER_LEN, StepHeader, control_len, control_message, pack_step
+
+    kw = {"max_num_seqs": 4, "max_model_len": 64, "page_size": 4}
+    llm = make_llm(model_dir, False, graphs_bs=4, **kw)
+    worker = make_llm(model_dir, False, graphs_bs=4, **kw).engine.runner
+    engine, runner = llm.engine, llm.engine.runner
+    for i, prompt in enumerate(random_prompts(3, seed=6, max_len=20)):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while not engine.scheduler.running or engine.scheduler.waiting:
+        engine.step()
+    batch = engine.scheduler.schedule()
+    assert batch.is_decode
+    inputs = runner.prepare(batch, list(range(len(batch.requests))))
+    graph_bytes = runner.graph_step_bytes(inputs)
+    assert graph_bytes is not None and graph_bytes.data_ptr() == runner.graphs.static.data_ptr()
+    header, host, payload = pack_step(inputs, graph_bytes)
+    assert payload is graph_bytes
+    msg = control_message(header, host, control_len(kw["max_num_seqs"]))
+    h = StepHeader(*msg[:HEADER_LEN].tolist())
+    host = msg[HEADER_LEN : HEADER_LEN + 2 * h.host_reqs].tolist()
+    assert h.in_place == 1 and h.graph_bs == 4 and h.num_reqs == 3
+    worker.graphs.static.fill_(7)  # stale bytes outside what is sent must not matter
+    worker.graphs.page_table.fill_(9)
+    worker.graphs.static[: payload.numel()].copy_(payload)  # the broadcast
+    n = h.host_reqs
+    got = worker.graph_step_in_place(h.graph_bs, h.table_width, h.num_reqs, host[n : 2 * n], h.max_seq_len)
+    for name in ("input_ids", "positions"):
+        assert torch.equal(getattr(got, name), getattr(inputs, name)), name
+    for name in ("seq_lens", "prefix_lens", "cu_query_lens", "page_table", "slot_mapping"):
+        assert torch.equal(getattr(got.meta, name), getattr(inputs.meta, name)), name
+    for name in ("seq_lens_host", "prefix_lens_host", "max_query_len", "max_seq_len", "is_decode"):
+        assert getattr(got.meta, name) == getattr(inputs.meta, name), name
+    assert (got.graph_bs, got.num_reqs) == (inputs.graph_bs, inputs.num_reqs)
+    # The worker's model has the same (tiny, seeded) weights: the same logits.
+    for mine, theirs in zip(worker.kv_cache.k + worker.kv_cache.v, runner.kv_cache.k + runner.kv_cache.v):
+        mine.copy_(theirs)
+    torch.testing.assert_close(worker.execute(got), runner.execute(inputs), rtol=0, atol=0)
+    # Steps prepared elsewhere (eager, no graph) still travel packed.
+    eager = dataclasses.replace(inputs, input_ids=inputs.input_ids.clone())
+    assert runner.graph_step_bytes(eager) is None
+    assert runner.graph_step_bytes(dataclasses.replace(inputs, graph_bs=None)) is None
+    engine.scheduler.complete_step(batch)
+    for req in batch.requests:
+        req.token_ids.append(0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_idle(llm)
+
+
 # ---- reporting -----------------------------------------------------------------------------
 
 

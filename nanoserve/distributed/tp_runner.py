@@ -43,7 +43,11 @@ executors at the cost of two messages per step:
   ahead of it.) KV page copies, rare, go in COPY_PAGES control messages before the step;
 - one payload on the model's group (NCCL on CUDA): every device tensor of the step packed
   into one int32 tensor (`pack_step`; int64 tensors travel as pairs of int32 and are
-  viewed back, no conversion), which workers unpack into views (`unpack_step`).
+  viewed back, no conversion), which workers unpack into views (`unpack_step`). A decode
+  step that replays a CUDA graph is already packed in rank 0's graph static buffer: those
+  bytes travel as they are, straight into each worker's static buffer (header `in_place`),
+  so neither side packs or copies (copying the fields into place put seven small copies
+  between the broadcast and each worker's graph, which rank 0 then waited for).
 
 Timeouts: the model's group has `dist_timeout_s`; rank 0 bounds its control-group sends
 by the same; so a rank that dies (its sockets close: the next collective fails at once) or
@@ -87,6 +91,7 @@ from nanoserve.distributed.process_group import (
     init_distributed,
 )
 from nanoserve.distributed.symm_all_reduce import setup_symm_all_reduce
+from nanoserve.engine.cuda_graph import decode_layout
 from nanoserve.engine.model_runner import ForwardInputs, KVPlan
 
 log = logging.getLogger("nanoserve")
@@ -109,6 +114,7 @@ class StepHeader(NamedTuple):
     num_reqs: int = 0  # ForwardInputs.num_reqs: real requests, padding excluded
     graph_bs: int = -1  # decode graph to replay; -1: eager
     host_reqs: int = 0  # EXECUTE: length of the host lists after the header (seq, then prefix)
+    in_place: int = 0  # EXECUTE: 1 if the payload is the decode graphs' packed static inputs
     count: int = 0  # COPY_PAGES: (src, dst) page pairs after the header
 
 
@@ -121,8 +127,12 @@ def control_len(max_num_seqs: int) -> int:
     return HEADER_LEN + 2 * max_num_seqs
 
 
-def pack_step(inputs: ForwardInputs) -> tuple[StepHeader, list[int], torch.Tensor]:
-    """The header, the host ints and the device payload that describe `inputs`."""
+def pack_step(
+    inputs: ForwardInputs, graph_bytes: torch.Tensor | None = None
+) -> tuple[StepHeader, list[int], torch.Tensor]:
+    """The header, the host ints and the device payload that describe `inputs`. With
+    `graph_bytes` (the runner's `graph_step_bytes`: a decode step prepared in the graphs'
+    static buffer) the payload is those bytes as they are, and the header says so."""
     meta = inputs.meta
     rows = inputs.logit_rows
     header = StepHeader(
@@ -137,7 +147,11 @@ def pack_step(inputs: ForwardInputs) -> tuple[StepHeader, list[int], torch.Tenso
         num_reqs=inputs.num_reqs,
         graph_bs=-1 if inputs.graph_bs is None else inputs.graph_bs,
         host_reqs=len(meta.seq_lens_host),
+        in_place=int(graph_bytes is not None),
     )
+    host = [*meta.seq_lens_host, *meta.prefix_lens_host]
+    if graph_bytes is not None:
+        return header, host, graph_bytes
     # int64 parts first: each is an even number of int32s, so every int64 part starts
     # 8-byte aligned and the receiver can view it back as int64.
     longs = [inputs.input_ids, inputs.positions, meta.slot_mapping, *([] if rows is None else [rows])]
@@ -145,7 +159,7 @@ def pack_step(inputs: ForwardInputs) -> tuple[StepHeader, list[int], torch.Tenso
     payload = torch.cat(
         [t.reshape(-1).to(torch.long).view(torch.int32) for t in longs] + [t.reshape(-1).to(torch.int32) for t in ints]
     )
-    return header, [*meta.seq_lens_host, *meta.prefix_lens_host], payload
+    return header, host, payload
 
 
 def payload_size(h: StepHeader) -> list[int]:
@@ -485,7 +499,7 @@ class TPModelRunner:
             body = [x for pair in chunk for x in pair]
             msg = control_message(StepHeader(COPY_PAGES, count=len(chunk)), body, length)
             ctx.wait(dist.broadcast(msg, 0, group=ctx.control, async_op=True))
-        header, host, payload = pack_step(inputs)
+        header, host, payload = pack_step(inputs, self.local.graph_step_bytes(inputs))
         msg = control_message(header, host, length)
         ctx.wait(dist.broadcast(msg, 0, group=ctx.control, async_op=True))
         dist.broadcast(payload, 0)
@@ -515,9 +529,15 @@ class TPModelRunner:
                     self.local.kv_cache.copy_page(src, dst)
                 continue
             host = msg[HEADER_LEN : HEADER_LEN + 2 * h.host_reqs].tolist()
-            payload = torch.empty(sum(payload_size(h)), dtype=torch.int32, device=ctx.device)
-            dist.broadcast(payload, 0)
-            self.local.execute(unpack_step(h, host, payload))
+            if h.in_place:  # straight into the graphs' static inputs: nothing to copy there
+                width, n = h.table_width, h.host_reqs
+                dist.broadcast(self.local.graphs.static[: decode_layout(h.graph_bs, width).nbytes], 0)
+                inputs = self.local.graph_step_in_place(h.graph_bs, width, h.num_reqs, host[n : 2 * n], h.max_seq_len)
+            else:
+                payload = torch.empty(sum(payload_size(h)), dtype=torch.int32, device=ctx.device)
+                dist.broadcast(payload, 0)
+                inputs = unpack_step(h, host, payload)
+            self.local.execute(inputs)
         _release_graphs(self.local)
 
 

@@ -124,6 +124,13 @@ class DecodeGraphs:
             views = self._views[(bs, cascade)] = decode_layout(bs, 0, cascade).torch_views(self.static)
         return views
 
+    def staged_page_table(self, layout: PackedLayout, bs: int, width: int) -> torch.Tensor:
+        """Graph bs's page table [bs, width], filled from the table a step packed into `static`
+        (laid out by `layout`): the one field that does not lie where the graph reads it."""
+        table = self.page_table[:bs, :width]
+        table.copy_(layout.torch_view(self.static, "page_table").view(bs, width))
+        return table
+
     def _static_inputs(self, bs: int, cascade: bool) -> ForwardInputs:
         from nanoserve.engine.model_runner import ForwardInputs
 

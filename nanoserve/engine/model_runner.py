@@ -199,12 +199,17 @@ class ModelRunner:
             g = self.graphs
             g.static[: layout.nbytes].copy_(host, non_blocking=True)
             d = g.views(bs, plan is not None)
-            page_table = g.page_table[:bs, :width]
-            page_table.copy_(layout.torch_view(g.static, "page_table").view(bs, width))
+            page_table = g.staged_page_table(layout, bs, width)
         else:
             d = layout.torch_views(self._to_device(host))
             page_table = d["page_table"].view(bs, width)
         self._resolve_pending(d, pending)
+        return self._decode_inputs(d, page_table, prefix_host, max_seq, graph_bs, n, plan is not None)
+
+    def _decode_inputs(
+        self, d: dict[str, torch.Tensor], page_table, prefix_host: list[int], max_seq: int, graph_bs, n, cascade: bool
+    ) -> ForwardInputs:
+        """A decode step's inputs from its packed fields `d` on the device."""
         meta = AttentionMetadata(
             is_decode=True,
             seq_lens=d["seq_lens"],
@@ -212,13 +217,32 @@ class ModelRunner:
             cu_query_lens=d["cu_query_lens"],
             page_table=page_table,
             slot_mapping=d["slot_mapping"],
-            seq_lens_host=(prefix + 1).tolist(),
+            seq_lens_host=[p + 1 for p in prefix_host],
             prefix_lens_host=prefix_host,
             max_query_len=1,
             max_seq_len=max_seq,
-            cascade=cascade_inputs(d) if plan is not None else None,
+            cascade=cascade_inputs(d) if cascade else None,
         )
         return ForwardInputs(d["input_ids"], d["positions"], meta, None, graph_bs, n, d["req_slots"][:n])
+
+    def graph_step_bytes(self, inputs: ForwardInputs) -> torch.Tensor | None:
+        """The decode graphs' packed static inputs that `inputs` were prepared into (the
+        prefix of `graphs.static` that `decode_layout` gives them), or None when they live
+        elsewhere (an eager step, a cascade step). A tensor-parallel rank 0 broadcasts these
+        bytes as they are and the workers receive them into their own static buffer."""
+        g, bs = self.graphs, inputs.graph_bs
+        if bs is None or self.cascade_members > 0:  # cascade off: the layout has no plan fields
+            return None
+        if inputs.input_ids.data_ptr() != g.views(bs)["input_ids"].data_ptr():
+            return None
+        return g.static[: decode_layout(bs, inputs.meta.page_table.shape[1]).nbytes]
+
+    def graph_step_in_place(self, bs: int, width: int, n: int, prefix_host: list[int], max_seq: int) -> ForwardInputs:
+        """Tensor-parallel workers: the inputs of a decode step whose packed fields (rank 0's
+        `graph_step_bytes`) were received straight into `graphs.static`."""
+        g = self.graphs
+        page_table = g.staged_page_table(decode_layout(bs, width), bs, width)
+        return self._decode_inputs(g.views(bs), page_table, prefix_host, max_seq, bs, n, False)
 
     def _prepare_extend(self, batch: ScheduledBatch, sample_rows: list[int]) -> ForwardInputs:
         """Any batch (prefill chunks, prefix-cache extends, mixed lengths): numpy over tokens."""
