@@ -395,6 +395,27 @@ def test_symm_all_reduce_size_rule():
     assert not fits(row, torch.int64, DEFAULT_MAX_BYTES)
 
 
+def test_symm_protocol_rule():
+    """LL for small sums under "auto" (twice the bytes on the wire, fewer round trips), pull
+    above LL_MAX_BYTES; partials that are not whole 32-bit words never take LL."""
+    from nanoserve.distributed.symm_all_reduce import LL_MAX_BYTES, SymmAllReduce
+
+    max_bytes = 2**20
+    buf = torch.zeros(SymmAllReduce.buffer_bytes(max_bytes, 2), dtype=torch.uint8)
+    base = buf.data_ptr()
+    rows_at_limit = LL_MAX_BYTES // (4096 * 2)
+
+    def uses_ll(protocol, rows, width=4096, dtype=torch.bfloat16):
+        symm = SymmAllReduce(buf, [base, base], 0, max_bytes, protocol)
+        assert symm.ll_recv[1].shape == (2, max_bytes // 4)  # a word per 4 bytes of partials, per source
+        return symm.uses_ll(torch.zeros(rows, width, dtype=dtype))
+
+    assert uses_ll("auto", 1) and uses_ll("auto", rows_at_limit) and not uses_ll("auto", rows_at_limit + 1)
+    assert uses_ll("auto", 1, dtype=torch.float32) and not uses_ll("auto", rows_at_limit, dtype=torch.float32)
+    assert uses_ll("ll", 256) and not uses_ll("pull", 1)
+    assert not uses_ll("ll", 1, width=4095)  # an odd bf16 row: not whole words
+
+
 def _interpreted_rank_call(rank, parts, flags, epochs, residual, weight, eps):
     """One fused call as rank `rank` of len(parts), its peers simulated by plain tensors:
     parts[q] is rank q's slot holding its partials."""
@@ -436,6 +457,51 @@ def test_all_reduce_rms_norm_kernel_interpreted(rank):
     flags[rank][0, peer] = 3
     _interpreted_rank_call(rank, parts, flags, epochs, torch.zeros(1, width), torch.ones(width), eps)
     assert epochs.tolist() == [3, 2, 2, 2] and flags[peer][:, rank].tolist() == [3, 2, 2, 2]
+
+
+def _words(part: torch.Tensor, call: int) -> torch.Tensor:
+    """`part`'s rows as the LL protocol's 64-bit words: 32 bits of partials under the call count."""
+    bits = part.contiguous().view(torch.int32).reshape(-1).to(torch.int64) & 0xFFFFFFFF
+    return bits | (call << 32)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter (conftest sets it without a GPU)"
+)
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ll_all_reduce_rms_norm_kernel_interpreted(rank, dtype):
+    """The LL kernel in Triton's interpreter, as rank `rank` of 2 whose peer's words for this
+    call are already in the receive buffer (over the previous call's): it sends
+    its own partials to the peer's buffer tagged with the call count, and the sum + residual
+    and its RMSNorm match the plain torch ops; rows beyond the programs are covered (6 rows,
+    4 programs), bf16 partials travel two to a word. Integer-valued inputs keep every sum
+    exact, so the sums compare bit for bit in both dtypes."""
+    from nanoserve.models.layers import add_rms_norm_plain
+    from nanoserve.models.triton_ops import ll_all_reduce_rms_norm
+
+    gen = torch.Generator().manual_seed(rank)
+    rows, width, programs, eps = 6, 48, 4, 1e-6
+    per_row = width * dtype.itemsize // 4
+    epochs = torch.zeros(programs, dtype=torch.int64)
+    recv = torch.zeros(2, rows * per_row + 8, dtype=torch.int64)  # this rank's receive buffer
+    peer_recv = torch.zeros_like(recv)  # the peer's
+    peer = 1 - rank
+    dst = torch.zeros(2, dtype=torch.int64)
+    dst[peer] = peer_recv[rank].data_ptr()  # where this rank's words land in the peer's buffer
+    for call in (1, 2):
+        parts = [torch.randint(-20, 20, (rows, width), generator=gen).to(dtype) for _ in range(2)]
+        residual = torch.randint(-20, 20, (rows, width), generator=gen).to(dtype)
+        weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype)
+        recv[peer, : rows * per_row] = _words(parts[peer], call)  # the peer's words have arrived
+        out, total = ll_all_reduce_rms_norm(parts[rank], dst, recv, epochs, rank, residual, weight, eps)
+        want_out, want_total = add_rms_norm_plain(
+            parts[0].float() + parts[1].float(), residual.float(), weight.float(), eps
+        )
+        assert torch.equal(total.float(), want_total), call
+        torch.testing.assert_close(out.float(), want_out, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-2)
+        assert (epochs == call).all()
+        assert torch.equal(peer_recv[rank, : rows * per_row], _words(parts[rank], call)), call
 
 
 def test_row_parallel_partials_sum_in_the_norm():
@@ -485,6 +551,7 @@ def _symm_rank(rank: int, world: int, addr: str) -> None:
     try:
         symm = setup_symm_all_reduce(ctx, single_host=True)
         assert symm is not None, "the symmetric-memory all-reduce did not set up (see the log)"
+        assert symm.protocol == os.environ["NANOSERVE_SYMM_PROTOCOL"]
         tp = TPGroup(rank, world, symm)
         g = torch.Generator(device=device).manual_seed(1234 + rank)  # different partials on each rank
         shared = torch.Generator(device=device).manual_seed(99)  # the same residual and weight everywhere
@@ -554,7 +621,8 @@ def _symm_rank(rank: int, world: int, addr: str) -> None:
 
 
 @pytest.mark.gpu
-def test_fused_all_reduce_rms_norm_matches_nccl_on_gpus():
+@pytest.mark.parametrize("protocol", ["auto", "ll", "pull"])
+def test_fused_all_reduce_rms_norm_matches_nccl_on_gpus(protocol, monkeypatch):
     """The fused all-reduce + residual add + RMSNorm over symmetric memory against NCCL's
     all-reduce followed by rms_norm, on random bf16 and fp32 partials (1..256 x 4096): the
     same bits, the same on every rank, eagerly and replayed 20 times from a CUDA graph of 8
@@ -566,5 +634,6 @@ def test_fused_all_reduce_rms_norm_matches_nccl_on_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # never multicast (shared hosts)
-    os.environ["NANOSERVE_SYMM_MEM"] = "1"  # the spawned ranks inherit it
+    monkeypatch.setenv("NANOSERVE_SYMM_MEM", "1")  # the spawned ranks inherit these
+    monkeypatch.setenv("NANOSERVE_SYMM_PROTOCOL", protocol)
     mp.spawn(_symm_rank, args=(2, f"127.0.0.1:{free_port()}"), nprocs=2, join=True)

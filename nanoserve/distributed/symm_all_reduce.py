@@ -5,9 +5,18 @@ partials over NVLink, adds them and the residual, and normalises
 (`triton_ops.all_reduce_rms_norm`). NCCL's all-reduce plus the norm took two launches, the
 first of which cannot start early under PDL.
 
-Owns: `SymmAllReduce` (one symmetric buffer: two slots for partial sums and one flag array;
-the rule for which sums use it; the fused call) and `setup_symm_all_reduce` (the collective
-set-up that every rank runs, with its fallback to NCCL).
+Owns: `SymmAllReduce` (one symmetric buffer: two slots for partial sums, one flag array and
+the LL receive buffers; the rule for which sums use it and over which protocol; the fused
+call) and `setup_symm_all_reduce` (the collective set-up that every rank runs, with its
+fallback to NCCL).
+
+Two protocols (`protocol()`, NANOSERVE_SYMM_PROTOCOL): "pull" publishes a flag per program
+and then reads the peers' slots over NVLink (a release, a flag's trip, a read's round trip);
+"ll" (low latency) stores this rank's partials into every peer's receive buffer as 64-bit
+words, 32 bits of data under the call count, and polls its own receive buffer until every
+word it needs carries this call's count (one trip of stores, no fence, no remote read, twice
+the bytes). "auto" (default) takes LL for sums of at most LL_MAX_BYTES and pull above, as
+measured (see LL_MAX_BYTES).
 
 When a sum takes this path: a row-parallel layer asks `partial_out(rows, width, dtype, slot)`
 for its output; it gets a view of this rank's slot when a CUDA graph is being captured on a
@@ -30,17 +39,23 @@ Invariants:
   are complete (the kernel starts only after the matmul that wrote them finished; a
   system-scope release), and reads the peers' partials only after every rank's flag for p
   has reached that count (an acquire).
+- LL: a 64-bit store is seen whole or not at all, so a word tagged with this call's count
+  holds this call's data. Row r is always handled by program r % MAX_PROGRAMS (at most
+  MAX_PROGRAMS programs, one per row while there are fewer rows), whose count only grows, so
+  a word left by an earlier call never carries the count awaited now.
 - A slot is rewritten only after a reduction on the other slot: o_proj uses slot 0 and
   down_proj slot 1, which alternate, and both take or skip the path together (same rows,
   width and dtype). A rank can only finish the reduction on slot 1 once every peer has
   started it, i.e. has finished the previous reduction on slot 0, so nobody still reads a
-  slot that its owner's next matmul overwrites. (Sums that skip the path do not touch it.)
+  slot that its owner's next matmul overwrites, nor an LL receive buffer (per slot) that a
+  peer's next call on that slot overwrites. (Sums that skip the path do not touch it.)
 - The sum is the same bits on every rank (same operands, added in rank order, rounded once
   to the model dtype), for 2 ranks NCCL's; the residual add and the norm then round as
   `rms_norm` does. Partials are in the model dtype, or in fp32 with
   NANOSERVE_TP_REDUCE_FP32=1 (models/layers.py).
-- One buffer of 2 x `max_bytes` + the flags per process, allocated, zeroed and exchanged once
-  at start, before the KV cache is sized.
+- One buffer of 2 x `max_bytes` + the flags + 2 x world x 2 x `max_bytes` of LL receive
+  buffers per process (40 MiB at 2 ranks), allocated, zeroed and exchanged once at start,
+  before the KV cache is sized.
 - NVLink multicast is never used: TORCH_SYMM_MEM_DISABLE_MULTICAST defaults to 1 here (the
   kernel needs only peer-to-peer loads and stores, and multicast risks shared hosts).
 - The kernel's waits have no timeout of their own: a peer that dies mid-step leaves this
@@ -75,27 +90,66 @@ def enabled() -> bool:
     return os.environ.get("NANOSERVE_SYMM_MEM", "1") != "0"
 
 
+def protocol() -> str:
+    """How the fused kernel exchanges partials (NANOSERVE_SYMM_PROTOCOL): "ll", each rank
+    pushes its partials into its peers' receive buffers as 64-bit words tagged with the call
+    count (no flags, no reads over NVLink; twice the bytes on the wire); "pull", flags then
+    reads of the peers' slots; "auto" (default), LL for partials of at most LL_MAX_BYTES,
+    pull above (see LL_MAX_BYTES)."""
+    name = os.environ.get("NANOSERVE_SYMM_PROTOCOL", "auto")
+    if name not in ("auto", "ll", "pull"):
+        raise ValueError(f"NANOSERVE_SYMM_PROTOCOL={name!r}: expected 'auto', 'll' or 'pull'")
+    return name
+
+
+# Measured on 2 x H200 (RESULTS.md, seventh round; one sum in a graph of 64, [rows, 4096] bf16,
+# us): LL 4.5 / 4.9 / 7.4 / 16.9 vs pull 6.4 / 6.7 / 8.2 / 13.5 at 1 / 8 / 64 / 256 rows; in the
+# engine (llama-3.1-8b TP=2 decode step) LL 2.78 vs 2.91 ms at batch 1, 6.15 vs 5.98 at 256.
+LL_MAX_BYTES = 64 * 4096 * 2
+
+
 class SymmAllReduce:
     """This rank's symmetric buffer and the fused reduce + norm over it (see module).
-    Layout: SLOTS slots of `max_bytes`, then the flag array ([MAX_PROGRAMS, world] int64)."""
+    Layout: SLOTS slots of `max_bytes`, the flag array ([MAX_PROGRAMS, world] int64), then
+    the LL protocol's receive buffers: per slot, per source rank, 2 x `max_bytes` (each
+    4 bytes of partials travel in an 8-byte word)."""
 
-    def __init__(self, buffer: torch.Tensor, peer_bases: list[int], rank: int, max_bytes: int):
+    def __init__(self, buffer: torch.Tensor, peer_bases: list[int], rank: int, max_bytes: int, protocol: str = "auto"):
         self.buffer = buffer  # uint8 [buffer_bytes(max_bytes, world)], rendezvoused on every rank
         self.rank = rank
         self.max_bytes = max_bytes
+        self.protocol = protocol
+        world = len(peer_bases)
         device = buffer.device
         self.slot_addrs = [  # per slot: its address in every rank's buffer, rank order
             torch.tensor([base + s * max_bytes for base in peer_bases], dtype=torch.int64, device=device)
             for s in range(SLOTS)
         ]
-        self.flag_addrs = torch.tensor(
-            [base + SLOTS * max_bytes for base in peer_bases], dtype=torch.int64, device=device
-        )
+        flags = SLOTS * max_bytes
+        self.flag_addrs = torch.tensor([base + flags for base in peer_bases], dtype=torch.int64, device=device)
+        recv, per_source = self._recv_offset(max_bytes, world), 2 * max_bytes
+        self.ll_dst_addrs = [  # per slot: where this rank's words go in every rank's buffer
+            torch.tensor(
+                [base + recv + (s * world + rank) * per_source for base in peer_bases], dtype=torch.int64, device=device
+            )
+            for s in range(SLOTS)
+        ]
+        self.ll_recv = [  # per slot: this rank's receive buffer, one row per source rank
+            buffer[recv + s * world * per_source : recv + (s + 1) * world * per_source]
+            .view(torch.int64)
+            .view(world, -1)
+            for s in range(SLOTS)
+        ]
         self.epochs = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
 
     @staticmethod
+    def _recv_offset(max_bytes: int, world: int) -> int:
+        flags_end = SLOTS * max_bytes + MAX_PROGRAMS * world * 8
+        return -(-flags_end // _ALIGN) * _ALIGN
+
+    @staticmethod
     def buffer_bytes(max_bytes: int, world: int) -> int:
-        return SLOTS * max_bytes + MAX_PROGRAMS * world * 8
+        return SymmAllReduce._recv_offset(max_bytes, world) + SLOTS * world * 2 * max_bytes
 
     def _own_region(self, slot: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         start = slot * self.max_bytes
@@ -118,14 +172,25 @@ class SymmAllReduce:
         """Whether x is a view that `partial_out` handed out (so its peers' copies exist)."""
         return self._slot_of(x) is not None
 
+    def uses_ll(self, part: torch.Tensor) -> bool:
+        """Whether the sum of `part` takes the LL protocol (shapes and dtype only, as the rule)."""
+        nbytes = part.numel() * part.element_size()
+        if self.protocol == "pull" or (part.shape[1] * part.element_size()) % 4:  # LL: whole 32-bit words
+            return False
+        return self.protocol == "ll" or nbytes <= LL_MAX_BYTES
+
     def all_reduce_rms_norm(
         self, part: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(s), s) for s = sum over ranks of `part` + residual; `part` must be held.
         Every rank must call it for the same slot, in the same order."""
-        from nanoserve.models.triton_ops import all_reduce_rms_norm
+        from nanoserve.models.triton_ops import all_reduce_rms_norm, ll_all_reduce_rms_norm
 
         slot = self._slot_of(part)
+        if self.uses_ll(part):
+            return ll_all_reduce_rms_norm(
+                part, self.ll_dst_addrs[slot], self.ll_recv[slot], self.epochs, self.rank, residual, weight, eps
+            )
         return all_reduce_rms_norm(
             part, self.slot_addrs[slot], self.flag_addrs, self.epochs, self.rank, residual, weight, eps
         )
@@ -195,7 +260,7 @@ def _allocate(ctx) -> SymmAllReduce:
     handle = symm_mem.rendezvous(buffer, group)
     buffer.zero_()  # the flags start at 0, as the epochs do
     torch.cuda.synchronize(ctx.device)  # zeroed before any peer can signal (the caller's gather follows)
-    return SymmAllReduce(buffer, [int(p) for p in handle.buffer_ptrs], ctx.rank, max_bytes)
+    return SymmAllReduce(buffer, [int(p) for p in handle.buffer_ptrs], ctx.rank, max_bytes, protocol())
 
 
 def _launch_trial(symm: SymmAllReduce, ctx) -> list[torch.Tensor]:

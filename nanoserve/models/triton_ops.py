@@ -24,7 +24,10 @@ is used; the kernels launch with programmatic dependent launch where the GPU has
   partial rows read straight from the peers' memory over NVLink (a one-shot all-reduce),
   plus the residual, then RMSNorm: one launch where NCCL's all-reduce and `rms_norm` took
   two.
-  The buffers and the call protocol are nanoserve/distributed/symm_all_reduce.py's.
+  `ll_all_reduce_rms_norm` is the same over the low-latency protocol: each rank pushes its
+  partials into its peers' memory as 64-bit words tagged with the call count, and polls its
+  own memory (no flags, no reads over NVLink).
+  The buffers and the call protocols are nanoserve/distributed/symm_all_reduce.py's.
 - `silu_and_mul(gate_up)`: the MLP's silu(gate) * up, one launch over rows x column blocks,
   under PDL (the torch.compile'd version it replaces cannot launch the down projection early).
 
@@ -112,6 +115,7 @@ def _linear_fma_kernel(
     if USE_PDL:
         # Under PDL this program may start while the previous kernel still runs: pull the first
         # weight tile into L2 meanwhile (weights are never written), then wait before reading x.
+        # (More than one tile was slower: 2 x H200, RESULTS.md, seventh round.)
         lines = tl.minimum(tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)  # within the rows
         _prefetch_l2(w_ptr + rn_in[:, None] * stride_wn + lines[None, :])
         pdl_start(USE_PDL)
@@ -546,7 +550,9 @@ def _all_reduce_rms_norm_kernel(
     count at (p, rank) in every rank's flag array ([P_max, WORLD] int64 at flag_addrs[q]),
     waits until every rank's entry (p, q) in its own array has reached the count, and then
     reads its rows from every rank's slot over NVLink and sums them."""
-    w = tl.load(w_ptr + tl.arange(0, BLOCK), mask=_lanes(tl.arange(0, BLOCK), N), other=0.0).to(tl.float32)
+    cols = tl.arange(0, BLOCK)
+    mask = _lanes(cols, N)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)  # the matmul that wrote this rank's partials has completed
     pid = tl.program_id(0)
     epoch = tl.load(epoch_ptr + pid) + 1  # this program's call count, the same on every rank
@@ -555,30 +561,112 @@ def _all_reduce_rms_norm_kernel(
         flags = tl.load(flag_addrs + q).to(tl.pointer_type(tl.int64))
         # release at system scope: this GPU's partials are visible to a peer that sees the flag
         tl.atomic_xchg(flags + pid * WORLD + rank, epoch, sem="release", scope="sys")
+    # The first row's local inputs (own partials, residual) are read while the peers' flags
+    # are awaited, so that only the peers' reads remain after the wait (every program has a
+    # first row: the grid is at most M programs).
+    own = tl.load(part_ptr + pid.to(tl.int64) * N + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + pid.to(tl.int64) * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     own_flags = tl.load(flag_addrs + rank).to(tl.pointer_type(tl.int64))
     for q in tl.static_range(WORLD):
-        # >=, not ==: a fast peer may already have published its next call
-        while tl.atomic_add(own_flags + pid * WORLD + q, 0, sem="acquire", scope="sys") < epoch:
-            pass
-    cols = tl.arange(0, BLOCK)
-    mask = _lanes(cols, N)
+        if q != rank:  # its own entry it has just written
+            # >=, not ==: a fast peer may already have published its next call
+            while tl.atomic_add(own_flags + pid * WORLD + q, 0, sem="acquire", scope="sys") < epoch:
+                pass
     dtype = out_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     for i in range(tl.cdiv(M - pid, programs)):
         row = pid.to(tl.int64) + i * programs
+        if i > 0:
+            own = tl.load(part_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         acc = tl.zeros([BLOCK], tl.float32)
         for q in tl.static_range(WORLD):  # rank order, so every rank adds the same way
-            part = tl.load(slot_addrs + q).to(tl.pointer_type(part_ptr.dtype.element_ty))
-            # slots are 256-byte aligned: said, or loads through a pointer read from memory
-            # are not vectorised; .cv: never a stale cache line of a peer's slot
-            part = tl.multiple_of(part, 16)
-            acc += tl.load(part + row * N + cols, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+            if q == rank:
+                acc += own
+            else:
+                part = tl.load(slot_addrs + q).to(tl.pointer_type(part_ptr.dtype.element_ty))
+                # slots are 256-byte aligned: said, or loads through a pointer read from
+                # memory are not vectorised; .cv: never a stale cache line of a peer's slot
+                part = tl.multiple_of(part, 16)
+                acc += tl.load(part + row * N + cols, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+        _finish_row(acc, r, w, eps, row, out_ptr, sum_ptr, stride_o, stride_s, cols, mask, N, dtype)
+
+
+@triton.jit
+def _ll_all_reduce_rms_norm_kernel(
+    part_ptr, dst_addrs, recv_ptr, recv_stride, epoch_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
+    M, rank, stride_r, stride_o, stride_s, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, PACK: tl.constexpr, WORLD: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """The low-latency (LL) protocol: no flags and no reads over NVLink. Program p takes rows
+    p, p + P, ...; it stores each row of its partials into every peer's receive buffer
+    (`dst_addrs[q]`: where this rank's rows go in rank q's buffer) as 64-bit words, each
+    holding 32 bits of partials (PACK elements) under its call count in the high 32 bits,
+    then polls its own receive buffer (`recv_ptr + q * recv_stride`: rank q's rows) until
+    every word of a row carries this call's count. A 64-bit store is seen whole or not at
+    all, so a word with the right count holds that call's data: nothing else to wait for."""
+    cols = tl.arange(0, BLOCK)
+    mask = _lanes(cols, N)
+    WORDS: tl.constexpr = BLOCK // PACK
+    words_per_row: tl.constexpr = N // PACK
+    wcols = tl.arange(0, WORDS)
+    wmask = _lanes(wcols, words_per_row)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_start(USE_PDL)  # the matmul that wrote this rank's partials has completed
+    pid = tl.program_id(0)
+    epoch = tl.load(epoch_ptr + pid) + 1  # this program's call count, the same on every rank
+    tl.store(epoch_ptr + pid, epoch)
+    tag = epoch << 32
+    part_words = part_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    programs = tl.num_programs(0)
+    rows_here = tl.cdiv(M - pid, programs)
+    for i in range(rows_here):  # send first: no program waits before all of its rows are out
+        row = pid.to(tl.int64) + i * programs
+        data = tl.load(part_words + row * words_per_row + wcols, mask=wmask, other=0)
+        word = tag | data.to(tl.uint32).to(tl.int64)  # the 32 bits, zero-extended
+        for q in tl.static_range(WORLD):
+            if q != rank:
+                dst = tl.multiple_of(tl.load(dst_addrs + q).to(tl.pointer_type(tl.int64)), 16)
+                tl.store(dst + row * words_per_row + wcols, word, mask=wmask)
+    dtype = out_ptr.dtype.element_ty
+    for i in range(rows_here):
+        row = pid.to(tl.int64) + i * programs
+        own = tl.load(part_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
         r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        # the sum over ranks rounded once (for 2 ranks NCCL's bits), then the residual added
-        # and rounded, as rms_norm does after an all-reduce
-        x = (acc.to(dtype).to(tl.float32) + r).to(dtype)
-        tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
-        tl.store(out_ptr + row * stride_o + cols, _rms_normalize(x.to(tl.float32), w, eps, N, dtype), mask=mask)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for q in tl.static_range(WORLD):  # rank order, so every rank adds the same way
+            if q == rank:
+                acc += own
+            else:
+                src = recv_ptr + q * recv_stride + row * words_per_row + wcols
+                word = tl.load(src, mask=wmask, other=tag, volatile=True)
+                while tl.min(((word >> 32) == epoch).to(tl.int32), axis=0) == 0:
+                    word = tl.load(src, mask=wmask, other=tag, volatile=True)
+                acc += _ll_unpack(word, part_ptr.dtype.element_ty, BLOCK, PACK)
+        _finish_row(acc, r, w, eps, row, out_ptr, sum_ptr, stride_o, stride_s, cols, mask, N, dtype)
+
+
+@triton.jit
+def _ll_unpack(word, part_dtype: tl.constexpr, BLOCK: tl.constexpr, PACK: tl.constexpr):
+    """The partials in the low 32 bits of each word, as fp32 [BLOCK] in column order (with
+    PACK = 2 the low half of a word is the even column: little-endian)."""
+    data = word.to(tl.int32)  # the low 32 bits
+    if PACK == 2:
+        lo = data.to(tl.int16).to(part_dtype, bitcast=True).to(tl.float32)
+        hi = (data >> 16).to(tl.int16).to(part_dtype, bitcast=True).to(tl.float32)
+        values = tl.join(lo, hi).reshape([BLOCK])
+    else:
+        values = data.to(tl.float32, bitcast=True)
+    return values
+
+
+@triton.jit
+def _finish_row(acc, r, w, eps, row, out_ptr, sum_ptr, stride_o, stride_s, cols, mask, N: tl.constexpr, dtype):
+    """The sum over ranks rounded once (for 2 ranks NCCL's bits), then the residual added
+    and rounded, as rms_norm does after an all-reduce; both outputs stored."""
+    x = (acc.to(dtype).to(tl.float32) + r).to(dtype)
+    tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, _rms_normalize(x.to(tl.float32), w, eps, N, dtype), mask=mask)
 
 
 def all_reduce_rms_norm(
@@ -599,20 +687,55 @@ def all_reduce_rms_norm(
     Every rank must make the same calls in the same order with the same M
     (nanoserve.distributed.symm_all_reduce owns the buffers and that protocol). Outputs in
     residual's dtype."""
+    out, total, grid, options = _reduce_norm_launch(part, residual, epochs)
+    if grid[0]:
+        _all_reduce_rms_norm_kernel[grid](
+            part, slot_addrs, flag_addrs, epochs, residual, weight, out, total,
+            part.shape[0], rank, residual.stride(0), out.stride(0), total.stride(0), eps,
+            WORLD=slot_addrs.numel(), **options,
+        )  # fmt: skip
+    return out, total
+
+
+def ll_all_reduce_rms_norm(
+    part: torch.Tensor,
+    dst_addrs: torch.Tensor,
+    recv: torch.Tensor,
+    epochs: torch.Tensor,
+    rank: int,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `all_reduce_rms_norm`, over the LL protocol (see its kernel): `dst_addrs` [WORLD]
+    the addresses where this rank's words go in every rank's receive buffer, `recv` [WORLD,
+    >= M * N * itemsize / 4] int64 this rank's receive buffer (rank q's words in row q; zeroed
+    with `epochs` before the first call). Partials of 2 or 4 bytes, N * itemsize a multiple
+    of 4."""
+    M, N = part.shape
+    pack = 4 // part.element_size()
+    if pack not in (1, 2) or N % pack or recv.dtype != torch.int64 or recv.shape[1] * pack < M * N:
+        raise ValueError("ll_all_reduce_rms_norm needs 2- or 4-byte partials, whole words and room for them")
+    out, total, grid, options = _reduce_norm_launch(part, residual, epochs)
+    if grid[0]:
+        _ll_all_reduce_rms_norm_kernel[grid](
+            part, dst_addrs, recv, recv.stride(0), epochs, residual, weight, out, total,
+            M, rank, residual.stride(0), out.stride(0), total.stride(0), eps,
+            PACK=pack, WORLD=dst_addrs.numel(), **options,
+        )  # fmt: skip
+    return out, total
+
+
+def _reduce_norm_launch(part: torch.Tensor, residual: torch.Tensor, epochs: torch.Tensor):
+    """Outputs, grid and launch options shared by both reduce + norm launchers."""
     M, N = part.shape
     if not part.is_contiguous() or residual.shape != (M, N) or residual.stride(1) != 1:
         raise ValueError("all_reduce_rms_norm needs dense partials and a residual of the same shape")
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
     total = torch.empty_like(out)
-    if M:
-        block = triton.next_power_of_2(N)
-        _all_reduce_rms_norm_kernel[(min(M, epochs.numel()),)](
-            part, slot_addrs, flag_addrs, epochs, residual, weight, out, total,
-            M, rank, residual.stride(0), out.stride(0), total.stride(0), eps,
-            N=N, BLOCK=block, WORLD=slot_addrs.numel(), num_warps=min(16, max(1, block // 256)),
-            **launch_options(part.device),
-        )  # fmt: skip
-    return out, total
+    block = triton.next_power_of_2(N)
+    options = {"N": N, "BLOCK": block, "num_warps": min(16, max(1, block // 256)), **launch_options(part.device)}
+    return out, total, (min(M, epochs.numel()),), options
 
 
 # ------------------------------------------------------------------------------- SiLU-and-mul
