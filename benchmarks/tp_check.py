@@ -263,14 +263,14 @@ def main() -> None:
         if r is not None:
             print(
                 f"[{dtypes[0]}] TP={r['tp']}{' ' + comm(r) if r['tp'] > 1 else ''}: offline "
-                f"{r['throughput']:,.0f} output tok/s ({r['elapsed']:.1f} s), batch-1 TPOT {r['tpot_ms']:.2f} ms, "
+                f"{r['throughput']:,.0f} output tok/s ({r['elapsed']:.1f} s), batch-1 TPOT {r['tpot_ms']:.3f} ms, "
                 f"KV {r['kv_tokens']:,} tokens, no leaks {r['no_leaks']}"
             )
     for r in (tpn, *runs):
         if r is not None:
             print(
                 f"TP={r['tp']} {comm(r)}: throughput ratio {r['throughput'] / base['throughput']:.2f}x (target >= 1.6x), "
-                f"TPOT ratio {r['tpot_ms'] / base['tpot_ms']:.2f}x (target <= 0.65x)"
+                f"TPOT ratio {r['tpot_ms'] / base['tpot_ms']:.3f}x (target <= 0.65x)"
             )
 
 

@@ -1,10 +1,12 @@
 """Where a tensor-parallel decode step's time goes, on rank 0's GPU (issue 7).
 
     python benchmarks/tp_profile.py --model llama-3.1-8b [--tp 2] [--batches 1 256] [--with-tp1]
+    python benchmarks/tp_profile.py --runs 1 2 1:NANOSERVE_GEMV_PREFETCH_MB=16 2:NANOSERVE_GEMV_PREFETCH_MB=16
 
-Each variant runs in its own process: TP=N as the environment says (by default the decode
-sums fused with their RMSNorm over symmetric memory), TP=N with NCCL only
-(NANOSERVE_SYMM_MEM=0), and with --with-tp1 TP=1. In each, for
+Each run is its own process: by default TP=N as the environment says (the decode sums
+fused with their RMSNorm over symmetric memory), TP=N with NCCL only
+(NANOSERVE_SYMM_MEM=0), and with --with-tp1 TP=1; `--runs` lists them instead, each as a
+TP size with optional environment settings (TP[:KEY=VAL[,KEY=VAL]]). In each, for
 every batch size B: B requests (128-token prompts, greedy) are decoded from the captured
 graph; after a few warm steps, 100 (B=1) or 30 engine steps are timed (wall ms per step,
 and how much of it rank 0's host spent waiting for the GPU: near the whole step means
@@ -124,6 +126,7 @@ def child(args) -> None:
 
 def show(r: dict) -> None:
     name = f"TP={r['tp']}" + ("" if r["tp"] == 1 else (" symmetric memory" if r["symm"] else " NCCL only"))
+    name += "".join(f" {k}={v}" for k, v in r["settings"].items() if k != "NANOSERVE_SYMM_MEM")
     for b in r["batches"]:
         total = sum(us for _, _, us in b["kernels"])
         print(
@@ -144,6 +147,9 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 256])
     ap.add_argument("--with-tp1", action="store_true")
+    ap.add_argument(
+        "--runs", nargs="+", default=None, help="TP[:KEY=VAL[,KEY=VAL]] per run (replaces the default runs)"
+    )
     ap.add_argument("--device", default=None, help="default: the engine's; cpu to try the script on a tiny model")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -151,28 +157,37 @@ def main() -> None:
     if args.child is not None:
         child(args)
         return
-    variants = [(args.tp, False), (args.tp, True)] + ([(1, False)] if args.with_tp1 else [])
+    if args.runs:
+        runs = [parse_run(spec) for spec in args.runs]
+    else:
+        runs = [(args.tp, {}), (args.tp, {"NANOSERVE_SYMM_MEM": "0"})] + ([(1, {})] if args.with_tp1 else [])
     results = []
-    for tp, off in variants:
-        out = Path(f"/tmp/tp_profile_{tp}_{int(off)}.json")
+    for i, (tp, settings) in enumerate(runs):
+        out = Path(f"/tmp/tp_profile_{i}.json")
         out.unlink(missing_ok=True)
-        env = {**os.environ, **({"NANOSERVE_SYMM_MEM": "0"} if off else {})}
         cmd = [sys.executable, __file__, "--model", args.model, "--child", str(tp), "--out", str(out)]
         cmd += (["--device", args.device] if args.device else []) + ["--batches", *map(str, args.batches)]
         try:
-            code = subprocess.run(cmd, check=False, env=env, timeout=240).returncode
+            code = subprocess.run(cmd, check=False, env={**os.environ, **settings}, timeout=240).returncode
         except subprocess.TimeoutExpired:
             code = "timed out"
         if out.exists():
-            results.append(json.loads(out.read_text()))
+            results.append(json.loads(out.read_text()) | {"settings": settings})
             show(results[-1])
         else:
-            print(f"TP={tp} {'NCCL only' if off else ''}: failed (exit code {code})", flush=True)
+            print(f"TP={tp} {settings or ''}: failed (exit code {code})", flush=True)
     print("\n== summary (ms per decode step, wall | rank 0 waiting for its GPU)")
     for r in results:
         name = f"TP={r['tp']}" + ("" if r["tp"] == 1 else (" symm" if r["symm"] else " NCCL"))
+        name += "".join(f" {k}={v}" for k, v in r["settings"].items() if k != "NANOSERVE_SYMM_MEM")
         cells = [f"batch {b['batch']}: {b['wall_ms']:.3f} | {b['gpu_wait_ms']:.3f}" for b in r["batches"]]
         print(f"{name:<10} ready {r['ready_s']:.0f} s; " + "; ".join(cells))
+
+
+def parse_run(spec: str) -> tuple[int, dict[str, str]]:
+    """ "2" -> (2, {}); "2:A=1,B=x" -> (2, {"A": "1", "B": "x"})."""
+    tp, _, settings = spec.partition(":")
+    return int(tp), dict(kv.split("=", 1) for kv in settings.split(",") if kv)
 
 
 if __name__ == "__main__":
