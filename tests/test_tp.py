@@ -475,9 +475,10 @@ def test_ll_all_reduce_rms_norm_kernel_interpreted(rank, dtype):
     call are already in the receive buffer (over the previous call's): it sends
     its own partials to the peer's buffer tagged with the call count, and the sum + residual
     and its RMSNorm match the plain torch ops; rows beyond the programs are covered (6 rows,
-    4 programs), bf16 partials travel two to a word. Integer-valued inputs keep every sum
+    4 programs), bf16 partials travel two to a word, and a call without a residual (the
+    embedding's sum) gives the plain sum and its norm. Integer-valued inputs keep every sum
     exact, so the sums compare bit for bit in both dtypes."""
-    from nanoserve.models.layers import add_rms_norm_plain
+    from nanoserve.models.layers import add_rms_norm_plain, rms_norm_plain
     from nanoserve.models.triton_ops import ll_all_reduce_rms_norm
 
     gen = torch.Generator().manual_seed(rank)
@@ -502,6 +503,11 @@ def test_ll_all_reduce_rms_norm_kernel_interpreted(rank, dtype):
         torch.testing.assert_close(out.float(), want_out, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-2)
         assert (epochs == call).all()
         assert torch.equal(peer_recv[rank, : rows * per_row], _words(parts[rank], call)), call
+    # the stream's first sum (the embedding's partials): no residual, outputs in the weight's dtype
+    recv[peer, : rows * per_row] = _words(parts[peer], 3)
+    out, total = ll_all_reduce_rms_norm(parts[rank], dst, recv, epochs, rank, None, weight, eps)
+    assert total.dtype == weight.dtype and torch.equal(total.float(), parts[0].float() + parts[1].float())
+    torch.testing.assert_close(out.float(), rms_norm_plain(total.float(), weight.float(), eps), rtol=1e-2, atol=1e-2)
 
 
 def test_row_parallel_partials_sum_in_the_norm():
@@ -585,6 +591,14 @@ def _symm_rank(rank: int, world: int, addr: str) -> None:
                 residual = torch.randn(rows, hidden, generator=shared, device=device).bfloat16()
                 want = nccl_twin(part, residual)
                 check(tp.reduce_rms_norm(part, residual, weight, eps), want, (dtype, rows, "eager"))
+            # the stream's first sum (the embedding's partials): no residual
+            part = symm._own_region(1, 5, hidden, dtype)
+            part.copy_(torch.randn(5, hidden, generator=g, device=device) * 4)
+            summed = part.clone()
+            dist.all_reduce(summed)
+            summed = summed.bfloat16()
+            want = (rms_norm(summed, weight, eps), summed)
+            check(tp.reduce_rms_norm(part, None, weight, eps), want, (dtype, "no residual"))
             # captured as the decode graphs use it: partials written into partial_out's views
             # (slot 0, then 1, four layers' worth), then replayed on fresh inputs; rank 1
             # sleeps at a different point than rank 0, so the ranks arrive skewed.

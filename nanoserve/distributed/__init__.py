@@ -44,9 +44,9 @@ class TPGroup:
         return self.symm.partial_out(rows, width, dtype, slot)
 
     def reduce_rms_norm(
-        self, part: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, part: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(RMSNorm(s), s) for s = sum over ranks of `part` + residual, in one fused launch
+        """(RMSNorm(s), s) for s = sum over ranks of `part` (+ residual), in one fused launch
         when `part` came from `partial_out`; None when it did not (the caller then sums with
         `all_reduce` and normalises itself)."""
         if self.size == 1 or self.symm is None or not self.symm.holds(part):

@@ -45,7 +45,10 @@ Invariants:
   a word left by an earlier call never carries the count awaited now.
 - A slot is rewritten only after a reduction on the other slot: o_proj uses slot 0 and
   down_proj slot 1, which alternate, and both take or skip the path together (same rows,
-  width and dtype). A rank can only finish the reduction on slot 1 once every peer has
+  width and dtype). The embedding's partials (the first sum of a step, normalised by the
+  first layer's input norm) use slot 1 too, right after the previous step's last down_proj
+  sum on slot 1: between those two, the logits all-gather and the next step's broadcast
+  (NCCL) hold every rank until all have finished that sum. A rank can only finish the reduction on slot 1 once every peer has
   started it, i.e. has finished the previous reduction on slot 0, so nobody still reads a
   slot that its owner's next matmul overwrites, nor an LL receive buffer (per slot) that a
   peer's next call on that slot overwrites. (Sums that skip the path do not touch it.)
@@ -180,10 +183,10 @@ class SymmAllReduce:
         return self.protocol == "ll" or nbytes <= LL_MAX_BYTES
 
     def all_reduce_rms_norm(
-        self, part: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, part: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(RMSNorm(s), s) for s = sum over ranks of `part` + residual; `part` must be held.
-        Every rank must call it for the same slot, in the same order."""
+        """(RMSNorm(s), s) for s = sum over ranks of `part` (+ residual, if any); `part` must
+        be held. Every rank must call it for the same slot, in the same order."""
         from nanoserve.models.triton_ops import all_reduce_rms_norm, ll_all_reduce_rms_norm
 
         slot = self._slot_of(part)

@@ -124,8 +124,7 @@ class DecoderLayer(nn.Module):
         residual stream; the first layer starts the stream with the embedding) and the
         attention inputs."""
         if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden, residual = self.input_layernorm.start_stream(hidden, reduce_over=self.tp)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, reduce_over=self.tp)
         return AttentionInputs(*self.self_attn.before_attention(positions, hidden, rotary), residual)

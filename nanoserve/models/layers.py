@@ -195,6 +195,17 @@ class RMSNorm(nn.Module):
             return add_rms_norm(x, residual, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
+    def start_stream(self, x: torch.Tensor, reduce_over: TPGroup = SINGLE) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first layer's input norm: x is the residual stream's start (the embedding;
+        under TP this rank's partial sums of it). Returns (normed, stream): summed over the
+        group first, fused with the norm where the symmetric-memory path holds x."""
+        if reduce_over.size > 1:
+            fused = reduce_over.reduce_rms_norm(x, None, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = reduce_over.all_reduce(x)
+        return self(x), x
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -336,6 +347,9 @@ class RowParallelLinear(nn.Module):
         return linear(x, self.weight, bias, fp32_out=fp32, out=out)
 
 
+EMBEDDING_SLOT = 1  # the symmetric-memory slot of the embedding's partial sums
+
+
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, tp: TPGroup = SINGLE):
         super().__init__()
@@ -352,13 +366,18 @@ class VocabParallelEmbedding(nn.Module):
         param.data[: part.shape[0]].copy_(part)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings of ids [T]; under TP this rank's partial sums of them (its vocabulary
+        slice's rows, zeros for other ids), which the first layer's input norm sums over the
+        group (`RMSNorm.start_stream`), written where `partial_out` says so that the sum
+        can take the fused path (slot 1: see nanoserve/distributed/symm_all_reduce.py)."""
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         # Rows outside this rank's slice are zeros, so the sum over ranks is exact in any dtype.
         local = ids - self.start
         outside = (local < 0) | (local >= self.rows)
-        out = F.embedding(local.clamp(0, self.rows - 1), self.weight).masked_fill_(outside.unsqueeze(-1), 0)
-        return self.tp.all_reduce(out)
+        out = self.tp.partial_out(ids.numel(), self.weight.shape[1], self.weight.dtype, EMBEDDING_SLOT)
+        rows = torch.index_select(self.weight, 0, local.clamp(0, self.rows - 1), out=out)
+        return rows.masked_fill_(outside.unsqueeze(-1), 0)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

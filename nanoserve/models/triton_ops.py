@@ -542,7 +542,7 @@ def rms_norm(
 def _all_reduce_rms_norm_kernel(
     part_ptr, slot_addrs, flag_addrs, epoch_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
     M, rank, stride_r, stride_o, stride_s, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr, USE_PDL: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program p takes rows p, p + P, ... (P programs). Every rank's partial sums [M, N] live
     in its own slot (`slot_addrs`: the slots' addresses in rank order, this rank's at `rank`;
@@ -565,7 +565,7 @@ def _all_reduce_rms_norm_kernel(
     # are awaited, so that only the peers' reads remain after the wait (every program has a
     # first row: the grid is at most M programs).
     own = tl.load(part_ptr + pid.to(tl.int64) * N + cols, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(r_ptr + pid.to(tl.int64) * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    r = _residual_row(r_ptr, pid.to(tl.int64), stride_r, cols, mask, HAS_RESIDUAL)
     own_flags = tl.load(flag_addrs + rank).to(tl.pointer_type(tl.int64))
     for q in tl.static_range(WORLD):
         if q != rank:  # its own entry it has just written
@@ -578,7 +578,7 @@ def _all_reduce_rms_norm_kernel(
         row = pid.to(tl.int64) + i * programs
         if i > 0:
             own = tl.load(part_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            r = _residual_row(r_ptr, row, stride_r, cols, mask, HAS_RESIDUAL)
         acc = tl.zeros([BLOCK], tl.float32)
         for q in tl.static_range(WORLD):  # rank order, so every rank adds the same way
             if q == rank:
@@ -596,7 +596,8 @@ def _all_reduce_rms_norm_kernel(
 def _ll_all_reduce_rms_norm_kernel(
     part_ptr, dst_addrs, recv_ptr, recv_stride, epoch_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
     M, rank, stride_r, stride_o, stride_s, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, PACK: tl.constexpr, WORLD: tl.constexpr, USE_PDL: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, PACK: tl.constexpr, WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The low-latency (LL) protocol: no flags and no reads over NVLink. Program p takes rows
     p, p + P, ...; it stores each row of its partials into every peer's receive buffer
@@ -632,7 +633,7 @@ def _ll_all_reduce_rms_norm_kernel(
     for i in range(rows_here):
         row = pid.to(tl.int64) + i * programs
         own = tl.load(part_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        r = _residual_row(r_ptr, row, stride_r, cols, mask, HAS_RESIDUAL)
         acc = tl.zeros([BLOCK], tl.float32)
         for q in tl.static_range(WORLD):  # rank order, so every rank adds the same way
             if q == rank:
@@ -661,6 +662,16 @@ def _ll_unpack(word, part_dtype: tl.constexpr, BLOCK: tl.constexpr, PACK: tl.con
 
 
 @triton.jit
+def _residual_row(r_ptr, row, stride_r, cols, mask, HAS_RESIDUAL: tl.constexpr):
+    """One row of the residual in fp32, or zeros without one (the stream's first sum)."""
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        r = tl.zeros(cols.shape, tl.float32)
+    return r
+
+
+@triton.jit
 def _finish_row(acc, r, w, eps, row, out_ptr, sum_ptr, stride_o, stride_s, cols, mask, N: tl.constexpr, dtype):
     """The sum over ranks rounded once (for 2 ranks NCCL's bits), then the residual added
     and rounded, as rms_norm does after an all-reduce; both outputs stored."""
@@ -675,11 +686,12 @@ def all_reduce_rms_norm(
     flag_addrs: torch.Tensor,
     epochs: torch.Tensor,
     rank: int,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(s), s) for s = (sum over ranks of their partials) + residual, where part
+    """(RMSNorm(s), s) for s = (sum over ranks of their partials) + residual (or no
+    residual: the stream's first sum, outputs then in the weight's dtype), where part
     [M, N] (dense) is this rank's partials at the start of its slot of a symmetric buffer,
     `slot_addrs` [WORLD] the addresses of every rank's copy of that slot, `flag_addrs`
     [WORLD] those of every rank's flag array ([len(epochs), WORLD] int64, zeroed before the
@@ -687,11 +699,12 @@ def all_reduce_rms_norm(
     Every rank must make the same calls in the same order with the same M
     (nanoserve.distributed.symm_all_reduce owns the buffers and that protocol). Outputs in
     residual's dtype."""
-    out, total, grid, options = _reduce_norm_launch(part, residual, epochs)
+    out, total, grid, options = _reduce_norm_launch(part, residual, weight, epochs)
     if grid[0]:
+        r = residual if residual is not None else part
         _all_reduce_rms_norm_kernel[grid](
-            part, slot_addrs, flag_addrs, epochs, residual, weight, out, total,
-            part.shape[0], rank, residual.stride(0), out.stride(0), total.stride(0), eps,
+            part, slot_addrs, flag_addrs, epochs, r, weight, out, total,
+            part.shape[0], rank, r.stride(0), out.stride(0), total.stride(0), eps,
             WORLD=slot_addrs.numel(), **options,
         )  # fmt: skip
     return out, total
@@ -703,7 +716,7 @@ def ll_all_reduce_rms_norm(
     recv: torch.Tensor,
     epochs: torch.Tensor,
     rank: int,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -716,25 +729,33 @@ def ll_all_reduce_rms_norm(
     pack = 4 // part.element_size()
     if pack not in (1, 2) or N % pack or recv.dtype != torch.int64 or recv.shape[1] * pack < M * N:
         raise ValueError("ll_all_reduce_rms_norm needs 2- or 4-byte partials, whole words and room for them")
-    out, total, grid, options = _reduce_norm_launch(part, residual, epochs)
+    out, total, grid, options = _reduce_norm_launch(part, residual, weight, epochs)
     if grid[0]:
+        r = residual if residual is not None else part
         _ll_all_reduce_rms_norm_kernel[grid](
-            part, dst_addrs, recv, recv.stride(0), epochs, residual, weight, out, total,
-            M, rank, residual.stride(0), out.stride(0), total.stride(0), eps,
+            part, dst_addrs, recv, recv.stride(0), epochs, r, weight, out, total,
+            M, rank, r.stride(0), out.stride(0), total.stride(0), eps,
             PACK=pack, WORLD=dst_addrs.numel(), **options,
         )  # fmt: skip
     return out, total
 
 
-def _reduce_norm_launch(part: torch.Tensor, residual: torch.Tensor, epochs: torch.Tensor):
+def _reduce_norm_launch(part: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, epochs: torch.Tensor):
     """Outputs, grid and launch options shared by both reduce + norm launchers."""
     M, N = part.shape
-    if not part.is_contiguous() or residual.shape != (M, N) or residual.stride(1) != 1:
+    if not part.is_contiguous() or (residual is not None and (residual.shape != (M, N) or residual.stride(1) != 1)):
         raise ValueError("all_reduce_rms_norm needs dense partials and a residual of the same shape")
-    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    dtype = residual.dtype if residual is not None else weight.dtype
+    out = torch.empty(M, N, dtype=dtype, device=part.device)
     total = torch.empty_like(out)
     block = triton.next_power_of_2(N)
-    options = {"N": N, "BLOCK": block, "num_warps": min(16, max(1, block // 256)), **launch_options(part.device)}
+    options = {
+        "N": N,
+        "BLOCK": block,
+        "HAS_RESIDUAL": residual is not None,
+        "num_warps": min(16, max(1, block // 256)),
+        **launch_options(part.device),
+    }
     return out, total, (min(M, epochs.numel()),), options
 
 
