@@ -248,18 +248,25 @@ def test_emulated_graphs_same_greedy_tokens(model_dir):
         assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
 
 
-def test_replay_copies_inputs_prepared_elsewhere(model_dir):
-    """A tensor-parallel worker replays from broadcast tensors, not from the static
-    buffers: the replay must copy every field in and compute the same logits."""
-    llm = make_llm(model_dir, False, graphs_bs=4, max_num_seqs=4, max_model_len=64, page_size=4)
-    engine, runner = llm.engine, llm.engine.runner
-    for i, prompt in enumerate(random_prompts(3, seed=5, max_len=20)):
+def first_decode_step(llm: LLM, seed: int):
+    """Three greedy requests prefilled, then their first decode batch scheduled and prepared
+    (not run): (batch, inputs). The caller completes the step by hand."""
+    engine = llm.engine
+    for i, prompt in enumerate(random_prompts(3, seed=seed, max_len=20)):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     while not engine.scheduler.running or engine.scheduler.waiting:
         engine.step()
     batch = engine.scheduler.schedule()
     assert batch.is_decode
-    inputs = runner.prepare(batch, list(range(len(batch.requests))))
+    return batch, engine.runner.prepare(batch, list(range(len(batch.requests))))
+
+
+def test_replay_copies_inputs_prepared_elsewhere(model_dir):
+    """A tensor-parallel worker replays from broadcast tensors, not from the static
+    buffers: the replay must copy every field in and compute the same logits."""
+    llm = make_llm(model_dir, False, graphs_bs=4, max_num_seqs=4, max_model_len=64, page_size=4)
+    engine, runner = llm.engine, llm.engine.runner
+    batch, inputs = first_decode_step(llm, seed=5)
     assert inputs.graph_bs == 4 and inputs.num_reqs == 3
     want = runner.execute(inputs).clone()
     g = runner.graphs
@@ -303,13 +310,7 @@ def test_tp_worker_receives_graph_inputs_in_place(model_dir):
     llm = make_llm(model_dir, False, graphs_bs=4, **kw)
     worker = make_llm(model_dir, False, graphs_bs=4, **kw).engine.runner
     engine, runner = llm.engine, llm.engine.runner
-    for i, prompt in enumerate(random_prompts(3, seed=6, max_len=20)):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    while not engine.scheduler.running or engine.scheduler.waiting:
-        engine.step()
-    batch = engine.scheduler.schedule()
-    assert batch.is_decode
-    inputs = runner.prepare(batch, list(range(len(batch.requests))))
+    batch, inputs = first_decode_step(llm, seed=6)
     graph_bytes = runner.graph_step_bytes(inputs)
     assert graph_bytes is not None and graph_bytes.data_ptr() == runner.graphs.static.data_ptr()
     header, host, payload = pack_step(inputs, graph_bytes)

@@ -554,9 +554,7 @@ def _all_reduce_rms_norm_kernel(
     mask = _lanes(cols, N)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)  # the matmul that wrote this rank's partials has completed
-    pid = tl.program_id(0)
-    epoch = tl.load(epoch_ptr + pid) + 1  # this program's call count, the same on every rank
-    tl.store(epoch_ptr + pid, epoch)
+    pid, epoch = _next_call(epoch_ptr)
     for q in tl.static_range(WORLD):
         flags = tl.load(flag_addrs + q).to(tl.pointer_type(tl.int64))
         # release at system scope: this GPU's partials are visible to a peer that sees the flag
@@ -614,9 +612,7 @@ def _ll_all_reduce_rms_norm_kernel(
     wmask = _lanes(wcols, words_per_row)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)  # the matmul that wrote this rank's partials has completed
-    pid = tl.program_id(0)
-    epoch = tl.load(epoch_ptr + pid) + 1  # this program's call count, the same on every rank
-    tl.store(epoch_ptr + pid, epoch)
+    pid, epoch = _next_call(epoch_ptr)
     tag = epoch << 32
     part_words = part_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     programs = tl.num_programs(0)
@@ -659,6 +655,16 @@ def _ll_unpack(word, part_dtype: tl.constexpr, BLOCK: tl.constexpr, PACK: tl.con
     else:
         values = data.to(tl.float32, bitcast=True)
     return values
+
+
+@triton.jit
+def _next_call(epoch_ptr):
+    """(program id, this program's call count), the count incremented in device memory (so
+    graph replays count too); the same on every rank, as every rank makes the same calls."""
+    pid = tl.program_id(0)
+    epoch = tl.load(epoch_ptr + pid) + 1
+    tl.store(epoch_ptr + pid, epoch)
+    return pid, epoch
 
 
 @triton.jit
