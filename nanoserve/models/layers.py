@@ -12,7 +12,9 @@ Sharding invariants (rank r of a group of size N):
   over the ranks (`reduce_over`), fused with its residual add where symmetric memory
   allows (nanoserve/distributed/symm_all_reduce.py);
 - the embedding holds vocabulary rows [r*V/N, (r+1)*V/N); lookups outside the slice give
-  zeros and the all-reduce fills them in; the LM head gathers the logit slices.
+  zeros, so its output is partial sums too, summed by the first layer's input norm
+  (`RMSNorm.start_stream`, fused where symmetric memory allows); the LM head gathers the
+  logit slices.
 Each parameter carries a `weight_loader(param, full_tensor, shard_id)` that cuts the
 rank's slice out of a full checkpoint tensor.
 """

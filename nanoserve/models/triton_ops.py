@@ -22,8 +22,8 @@ is used; the kernels launch with programmatic dependent launch where the GPU has
   lets the next matmul launch early under PDL.
 - `all_reduce_rms_norm(part, ...)`: under tensor parallelism, the sum of every rank's
   partial rows read straight from the peers' memory over NVLink (a one-shot all-reduce),
-  plus the residual, then RMSNorm: one launch where NCCL's all-reduce and `rms_norm` took
-  two.
+  plus the residual (if any: the embedding's sum has none), then RMSNorm: one launch where
+  NCCL's all-reduce and `rms_norm` took two.
   `ll_all_reduce_rms_norm` is the same over the low-latency protocol: each rank pushes its
   partials into its peers' memory as 64-bit words tagged with the call count, and polls its
   own memory (no flags, no reads over NVLink).
