@@ -1,9 +1,9 @@
 """The decode path's all-reduces fused with the RMSNorm after them, over symmetric memory: the
-row-parallel layers (o_proj, down_proj) write their partial sums straight into a buffer that
-every GPU of the host can read, and one Triton kernel per reduction reads every rank's
-partials over NVLink, adds them and the residual, and normalises
-(`triton_ops.all_reduce_rms_norm`). NCCL's all-reduce plus the norm took two launches, the
-first of which cannot start early under PDL.
+row-parallel layers (o_proj, down_proj) and the embedding write their partial sums straight
+into a buffer that every GPU of the host can reach, and one Triton kernel per reduction
+exchanges them with the peers over NVLink, adds them (and the residual) and normalises
+(`triton_ops.all_reduce_rms_norm` / `ll_all_reduce_rms_norm`). NCCL's all-reduce plus the
+norm took two launches, the first of which cannot start early under PDL.
 
 Owns: `SymmAllReduce` (one symmetric buffer: two slots for partial sums, one flag array and
 the LL receive buffers; the rule for which sums use it and over which protocol; the fused
@@ -35,7 +35,7 @@ Invariants:
   in the fused kernel would hang both.
 - Calls are serial on the stream and made in the same order, with the same row count, on
   every rank. Program p of each call counts its calls (`epochs[p]`, device memory, so graph
-  replays count too), publishes the count in every rank's flag array once its own partials
+  replays count too). Pull: it publishes the count in every rank's flag array once its own partials
   are complete (the kernel starts only after the matmul that wrote them finished; a
   system-scope release), and reads the peers' partials only after every rank's flag for p
   has reached that count (an acquire).
@@ -45,13 +45,14 @@ Invariants:
   a word left by an earlier call never carries the count awaited now.
 - A slot is rewritten only after a reduction on the other slot: o_proj uses slot 0 and
   down_proj slot 1, which alternate, and both take or skip the path together (same rows,
-  width and dtype). The embedding's partials (the first sum of a step, normalised by the
-  first layer's input norm) use slot 1 too, right after the previous step's last down_proj
-  sum on slot 1: between those two, the logits all-gather and the next step's broadcast
-  (NCCL) hold every rank until all have finished that sum. A rank can only finish the reduction on slot 1 once every peer has
+  width and dtype). A rank can only finish the reduction on slot 1 once every peer has
   started it, i.e. has finished the previous reduction on slot 0, so nobody still reads a
   slot that its owner's next matmul overwrites, nor an LL receive buffer (per slot) that a
   peer's next call on that slot overwrites. (Sums that skip the path do not touch it.)
+- The embedding's partials (a step's first sum, normalised by the first layer's input norm)
+  use slot 1 too, right after the previous step's last down_proj sum on slot 1: between
+  those two, the logits all-gather and the next step's broadcast (NCCL) hold every rank
+  until all have finished that sum.
 - The sum is the same bits on every rank (same operands, added in rank order, rounded once
   to the model dtype), for 2 ranks NCCL's; the residual add and the norm then round as
   `rms_norm` does. Partials are in the model dtype, or in fp32 with

@@ -207,9 +207,16 @@ class ModelRunner:
         return self._decode_inputs(d, page_table, prefix_host, max_seq, graph_bs, n, plan is not None)
 
     def _decode_inputs(
-        self, d: dict[str, torch.Tensor], page_table, prefix_host: list[int], max_seq: int, graph_bs, n, cascade: bool
+        self,
+        d: dict[str, torch.Tensor],
+        page_table: torch.Tensor,
+        prefix_host: list[int],
+        max_seq: int,
+        graph_bs: int | None,
+        n: int,
+        cascade: bool,
     ) -> ForwardInputs:
-        """A decode step's inputs from its packed fields `d` on the device."""
+        """A decode step's inputs from its packed fields `d` on the device (n real rows)."""
         meta = AttentionMetadata(
             is_decode=True,
             seq_lens=d["seq_lens"],
