@@ -16,8 +16,8 @@ Process layout (N = tensor_parallel_size, L = N / nnodes ranks per host):
   scheduler made since the last step (forks of n > 1 requests); every rank then runs the
   same forward, whose collectives shard the work. The LM head gathers full logits on
   every rank; rank 0 samples, the others drop them.
-- All-reduces: NCCL (gloo on CPU), except the row-parallel sums captured in decode CUDA
-  graphs on one host's GPUs, which are fused with the RMSNorm after them over symmetric
+- All-reduces: NCCL (gloo on CPU), except the row-parallel and embedding sums captured in
+  decode CUDA graphs on one host's GPUs, which are fused with the RMSNorm after them over symmetric
   memory (set up here right after the rendezvous, identically on every rank:
   nanoserve.distributed.symm_all_reduce; NANOSERVE_SYMM_MEM=0 turns it off).
 - CUDA graphs: every rank captures the same decode graphs in the same order while the
@@ -47,7 +47,7 @@ executors at the cost of two messages per step:
   step that replays a CUDA graph is already packed in rank 0's graph static buffer: those
   bytes travel as they are, straight into each worker's static buffer (header `in_place`),
   so neither side packs or copies (copying the fields into place put seven small copies
-  between the broadcast and each worker's graph, which rank 0 then waited for).
+  between the broadcast and each worker's graph).
 
 Timeouts: the model's group has `dist_timeout_s`; rank 0 bounds its control-group sends
 by the same; so a rank that dies (its sockets close: the next collective fails at once) or
