@@ -91,6 +91,32 @@ def check_qk_norm_rope(tokens, num_q, num_k, head_dim, dtype, device, norm: bool
         assert rel_err(g, t) < tol, f"relative error {rel_err(g, t):.2e} against the torch twin"
 
 
+def check_qk_norm_rope_store(tokens, num_q, num_k, head_dim, dtype, device, cache_dtype, seed=0) -> None:
+    """With kv_store the launch also writes the rotated k and v into their cache slots: q/k
+    outputs unchanged, the slots hold exactly what attention's store (a cast of k and v)
+    would write, a negative slot and every other slot untouched."""
+    from nanoserve.models import triton_ops
+
+    q, k, pos, cos, sin, qw, kw = make_qk(tokens, num_q, num_k, head_dim, dtype, device, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    rows = torch.randn(tokens, 2 * num_k * head_dim, generator=gen).to(device, dtype)
+    v = rows[:, : num_k * head_dim].view(tokens, num_k, head_dim)  # a strided view, as qkv's slice
+    page_size, pages = 4, tokens + 2
+    k_cache = torch.full((pages, page_size, num_k, head_dim), 7.0, device=device).to(cache_dtype)
+    v_cache = k_cache.clone()
+    slots = torch.randperm(pages * page_size, generator=gen)[:tokens].to(device)
+    slots[tokens // 2] = -1  # a token whose K/V must not be kept
+    plain = triton_ops.qk_norm_rope(pos, q, k, cos, sin, qw, kw, 1e-6)
+    got = triton_ops.qk_norm_rope(pos, q, k, cos, sin, qw, kw, 1e-6, kv_store=(v, k_cache, v_cache, slots))
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    kept = slots >= 0
+    want_k, want_v = torch.full_like(k_cache, 7.0), torch.full_like(v_cache, 7.0)
+    want_k.view(-1, num_k, head_dim)[slots[kept]] = plain[1][kept].to(cache_dtype)
+    want_v.view(-1, num_k, head_dim)[slots[kept]] = v[kept].to(cache_dtype)
+    assert torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
+
+
 # ------------------------------------------------------------------------------ CPU tests
 
 
@@ -128,6 +154,12 @@ def test_interp_qk_norm_rope(dtype):
     # the compiled kernel, which the GPU tests hold to 1e-2)
     tol = 1e-5 if dtype == torch.float32 else 2.5e-2
     check_qk_norm_rope(3, 6, 2, 16, dtype, "cpu", norm=True, tol=tol, seed=4)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_qk_norm_rope_stores_kv(dtype):
+    check_qk_norm_rope_store(6, 6, 3, 16, dtype, "cpu", dtype, seed=3)
 
 
 @interp
@@ -209,6 +241,31 @@ def test_interp_split_k_bf16_sums_in_fp32():
     rounded = triton_ops.small_m_linear(x, w, b, config)
     assert rounded.dtype == torch.bfloat16
     assert ((rounded.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-6).all()
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [2, 4])
+def test_interp_split_k_partials_summed_by_rms_norm(dtype, split):
+    """A split-K product's unsummed partials handed to rms_norm (which adds the planes in
+    split order, rounds once, then adds the residual and normalises) give exactly what the
+    product's own sum kernel followed by rms_norm gives: outputs and the residual sum."""
+    from nanoserve.models import triton_ops
+    from nanoserve.models.triton_ops import LinearConfig
+
+    config = LinearConfig("dot", 16, 16, 32, split_k=split)
+    x, w, _ = split_k_case(5, 48, 256, dtype, seed=40 + split, bias=False)
+    gen = torch.Generator().manual_seed(split)
+    residual = torch.randn(5, 48, generator=gen).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(48, generator=gen)).to(dtype)
+    planes = triton_ops.small_m_linear(x, w, None, config, partials_only=True)
+    assert planes.shape == (split, 5, 48) and planes.dtype == torch.float32
+    fused, fused_sum = triton_ops.rms_norm(planes, norm_w, 1e-6, residual)
+    product = triton_ops.small_m_linear(x, w, None, config)
+    twin, twin_sum = triton_ops.rms_norm(product, norm_w, 1e-6, residual)
+    assert fused.dtype == dtype and torch.equal(fused, twin) and torch.equal(fused_sum, twin_sum)
+    with pytest.raises(ValueError, match="partials_only"):
+        triton_ops.small_m_linear(x, w, None, LinearConfig("dot", 16, 16, 32), partials_only=True)
 
 
 def test_split_k_only_for_the_dot_kernel():
@@ -411,6 +468,13 @@ def test_gpu_qk_norm_rope(tokens, heads, norm):
 
 
 @gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("tokens", [1, 37, 256])
+def test_gpu_qk_norm_rope_stores_kv(cache_dtype, tokens):
+    check_qk_norm_rope_store(tokens, 16, 8, 128, torch.bfloat16, "cuda", cache_dtype, seed=tokens)
+
+
+@gpu
 def test_gpu_layers_dispatch_matches_torch_twins():
     """The layers' CUDA dispatch (Triton) against the same layers with the kernels off."""
     from nanoserve.models import layers
@@ -446,6 +510,44 @@ def test_gpu_layers_dispatch_matches_torch_twins():
             layers.TRITON_OPS = old
         assert rel_err(fast, slow) < 1e-2
         assert rel_err(layers.silu_and_mul(gate_up.view(M, 1, -1)).view(M, -1), slow) < 1e-2  # 3-D: torch path
+
+
+@gpu
+def test_gpu_split_k_sum_in_norm_matches_sum_kernel(monkeypatch):
+    """On one GPU a split-K row-parallel product (qwen3 o_proj / down at 9..256 rows) hands its
+    partials to the next RMSNorm: bit-identical to the sum kernel + norm, in a graph too."""
+    from nanoserve.models import layers
+    from nanoserve.models.layers import RMSNorm, RowParallelLinear, SplitKPartials
+
+    torch.manual_seed(1)
+    dev = "cuda"
+    for K in (2048, 3072):
+        lin = RowParallelLinear(K, 1024, bias=False).to(dev, torch.bfloat16)
+        norm = RMSNorm(1024, 1e-6).to(dev, torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.normal_(0, K**-0.5), norm.weight.uniform_(0.8, 1.2)
+        for M in (9, 64, 200, 256):
+            x = torch.randn(M, K, device=dev).bfloat16()
+            residual = torch.randn(M, 1024, device=dev).bfloat16()
+            monkeypatch.setattr(layers, "SPLIT_SUM_IN_NORM", True)
+            partials = lin(x)
+            assert isinstance(partials, SplitKPartials), (K, M)
+            fused = norm(partials, residual)
+            monkeypatch.setattr(layers, "SPLIT_SUM_IN_NORM", False)
+            product = lin(x)
+            assert isinstance(product, torch.Tensor)
+            twin = norm(product, residual)
+            assert torch.equal(fused[0], twin[0]) and torch.equal(fused[1], twin[1]), (K, M)
+            monkeypatch.setattr(layers, "SPLIT_SUM_IN_NORM", True)
+            graph = torch.cuda.CUDAGraph()
+            lin(x), norm(lin(x), residual)  # compile outside the capture
+            with torch.cuda.graph(graph):
+                captured = norm(lin(x), residual)
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            monkeypatch.setattr(layers, "SPLIT_SUM_IN_NORM", False)
+            twin = norm(lin(x), residual)
+            assert torch.equal(captured[0], twin[0]) and torch.equal(captured[1], twin[1]), (K, M)
 
 
 @gpu

@@ -13,7 +13,10 @@ Invariants of a batch's metadata (B requests, T new tokens in all):
   position prefix_lens[i] + j and attends causally to positions 0..prefix_lens[i] + j;
 - the K/V of position p of request i lives in cache slot
   page_table[i, p // page_size] * page_size + p % page_size; slot_mapping[t] is that slot
-  for the t-th new token, and the backend writes the new K/V there before attending;
+  for the t-th new token, and the new K/V are written there before attention reads the
+  cache: by the backend's `store_kv` inside `forward`, or, when the caller says
+  `kv_stored`, already by whoever produced them through the layer's `KVSink` (the model's
+  rotary kernel on CUDA, which saves a launch per layer);
 - in a decode batch every request has exactly one new token (T == B);
 - `cascade` (decode only, optional) groups requests that share a prefix of pages; it
   changes how attention is computed, never its result (see nanoserve.attention.cascade).
@@ -72,6 +75,12 @@ class AttentionBackend(ABC):
         """Per-batch work shared by all layers (called once before the forward)."""
 
     @abstractmethod
+    def store_kv(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Write the new tokens' k/v [T, num_kv_heads, head_dim] into their cache slots."""
+
+    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -81,7 +90,24 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...
+        kv_stored: bool = False,
+    ) -> torch.Tensor:
+        """Attention of q over the cache after storing k/v (unless `kv_stored`: already done)."""
+
+
+@dataclass
+class KVSink:
+    """Where one layer's new K/V go: its caches and the batch's slots. Handed to the code that
+    produces K/V so the store can ride in its kernel; `store` is the backend's own store, for
+    a producer that cannot (the same bytes either way)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    backend: AttentionBackend
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.backend.store_kv(self.k_cache, self.v_cache, k, v, self.slot_mapping)
 
 
 @dataclass
@@ -94,5 +120,12 @@ class ForwardBatch:
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
 
-    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.k_caches[layer_id], self.v_caches[layer_id], self.meta, scale)
+    def kv_sink(self, layer_id: int) -> KVSink:
+        return KVSink(self.k_caches[layer_id], self.v_caches[layer_id], self.meta.slot_mapping, self.backend)
+
+    def attend(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kv_stored: bool = False
+    ) -> torch.Tensor:
+        """Layer `layer_id`'s attention; `kv_stored`: k/v went through `kv_sink(layer_id)`."""
+        k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
+        return self.backend.forward(q, k, v, k_cache, v_cache, self.meta, scale, kv_stored=kv_stored)

@@ -54,8 +54,12 @@ class TorchAttentionBackend(AttentionBackend):
         self._shape = (num_reqs, max_q)
         self._new_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # see forward
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    def store_kv(self, k_cache, v_cache, k, v, slot_mapping):
+        store_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, kv_stored=False):
+        if not kv_stored:
+            store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         num_reqs, max_q = self._shape
         num_q_heads, head_dim = q.shape[1], q.shape[2]
         group = num_q_heads // k_cache.shape[2]

@@ -107,10 +107,14 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------------- forward
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out: torch.Tensor | None = None):
+    def store_kv(self, k_cache, v_cache, k, v, slot_mapping):
+        tk.store_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, kv_stored=False, out: torch.Tensor | None = None):
         """As the base class; `out` ([T, Hq, D], q's dtype, dense last dim) is an optional
         preallocated result buffer (tests poison it to catch unwritten elements)."""
-        tk.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if not kv_stored:
+            tk.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         if not meta.is_decode and self._no_prefix and self.use_fa2 and q.is_cuda and q.dtype in _FA2_DTYPES:
             result = _fa2_varlen(q, k, v, meta, scale)
             return result if out is None else out.copy_(result)

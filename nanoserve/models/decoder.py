@@ -16,7 +16,9 @@ piece 0 starts at the embedding, piece L ends after the final norm. Between piec
 the residual stream and one attention call's q/k/v (or its output) cross. `forward` is
 exactly the pieces chained with `batch.attend` between them, so a caller that runs the
 pieces itself (piecewise CUDA graphs, nanoserve.engine.piecewise_graph) computes the
-same function. Every op inside a piece is row-wise (one token per row: norms, linears,
+same function. The only difference is where the new K/V are stored: `forward` hands each
+piece its layer's `KVSink` and the rotary kernel writes them; a caller that passes none
+leaves the store to the attention call. Every op inside a piece is row-wise (one token per row: norms, linears,
 rotary by position, SiLU): rows never mix outside attention.
 """
 
@@ -27,7 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from nanoserve.attention.base import ForwardBatch
+from nanoserve.attention.base import ForwardBatch, KVSink
 from nanoserve.distributed import SINGLE, TPGroup
 from nanoserve.models.layers import (
     ColumnParallelLinear,
@@ -36,6 +38,7 @@ from nanoserve.models.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     RowSlice,
+    SplitKPartials,
     VocabParallelEmbedding,
     silu_and_mul,
 )
@@ -82,19 +85,22 @@ class Attention(nn.Module):
         self.head_dim = d
         self.scale = d**-0.5
 
-    def before_attention(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding):
+    def before_attention(
+        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_sink: KVSink | None = None
+    ):
         """q [T, Hq, D], k and v [T, Hk, D] for the attention call: qkv projection, q/k norms
-        (Qwen3), rotary."""
+        (Qwen3), rotary; with `kv_sink`, k and v are also stored into the layer's cache."""
         tokens, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = q.view(tokens, self.num_heads, d)
         k = k.view(tokens, self.num_kv_heads, d)
         v = v.view(tokens, self.num_kv_heads, d)
-        q, k = rotary(positions, q, k, self.q_norm, self.k_norm)  # q/k norms (Qwen3) first
+        q, k = rotary(positions, q, k, self.q_norm, self.k_norm, v, kv_sink)  # q/k norms (Qwen3) first
         return q, k, v
 
-    def after_attention(self, out: torch.Tensor) -> torch.Tensor:
-        """The output projection of the attention result [T, Hq, D] (this rank's partial sums)."""
+    def after_attention(self, out: torch.Tensor) -> torch.Tensor | SplitKPartials:
+        """The output projection of the attention result [T, Hq, D] (this rank's partial sums,
+        or unsummed split-K partials: see RowParallelLinear; the next norm sums either)."""
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
@@ -105,7 +111,7 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, parts, bias=False)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False, tp=tp, reduce_slot=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """This rank's partial sums of the MLP's output (see RowParallelLinear)."""
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
@@ -119,19 +125,22 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def before_attention(self, positions, hidden, residual, rotary) -> AttentionInputs:
+    def before_attention(self, positions, hidden, residual, rotary, kv_sink: KVSink | None = None) -> AttentionInputs:
         """Input norm (adding the previous layer's output, partial sums under TP, to the
         residual stream; the first layer starts the stream with the embedding) and the
-        attention inputs."""
+        attention inputs (stored through `kv_sink` when given)."""
         if residual is None:
             hidden, residual = self.input_layernorm.start_stream(hidden, reduce_over=self.tp)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, reduce_over=self.tp)
-        return AttentionInputs(*self.self_attn.before_attention(positions, hidden, rotary), residual)
+        return AttentionInputs(*self.self_attn.before_attention(positions, hidden, rotary, kv_sink), residual)
 
-    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def after_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor | SplitKPartials, torch.Tensor]:
         """Output projection, post-attention norm (+ residual) and MLP: (MLP output, residual);
-        under TP the MLP output is this rank's partial sums, summed by the next norm."""
+        under TP the MLP output is this rank's partial sums, on one GPU possibly unsummed
+        split-K partials; the next norm (in the same piece) sums either."""
         hidden = self.self_attn.after_attention(attn_out)
         hidden, residual = self.post_attention_layernorm(hidden, residual, reduce_over=self.tp)
         return self.mlp(hidden), residual
@@ -161,29 +170,32 @@ class DecoderLM(nn.Module):
         input_ids: torch.Tensor | None,
         attn_out: torch.Tensor | None,
         residual: torch.Tensor | None,
+        kv_sink: KVSink | None = None,
     ) -> AttentionInputs | torch.Tensor:
         """Piece i of the forward (see the module docstring). Piece 0 reads `input_ids`;
         piece i > 0 reads layer i-1's attention output `attn_out` [T, Hq, D] and the
-        `residual` that entered it. Pieces 0..L-1 return layer i's AttentionInputs; piece L
-        returns the hidden states [T, hidden] after the final norm."""
+        `residual` that entered it. Pieces 0..L-1 return layer i's AttentionInputs (with
+        `kv_sink`, layer i's new K/V are already in its cache); piece L returns the hidden
+        states [T, hidden] after the final norm."""
         if i == 0:
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = self.layers[i - 1].after_attention(attn_out, residual)
         if i == len(self.layers):
             return self.norm(hidden, residual, reduce_over=self.tp)[0]
-        return self.layers[i].before_attention(positions, hidden, residual, self.rotary)
+        return self.layers[i].before_attention(positions, hidden, residual, self.rotary, kv_sink)
 
     def attention_scale(self, i: int) -> float:
         return self.layers[i].self_attn.scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every new token: the pieces
-        chained with layer i's attention (which also stores the new K/V) between them."""
+        chained with layer i's attention between them. The new K/V are stored by the piece
+        before the attention, in the rotary kernel on CUDA (one launch less per layer)."""
         attn_out = residual = None
         for i in range(len(self.layers)):
-            q, k, v, residual = self.piece(i, positions, input_ids, attn_out, residual)
-            attn_out = batch.attend(i, q, k, v, self.attention_scale(i))
+            q, k, v, residual = self.piece(i, positions, input_ids, attn_out, residual, batch.kv_sink(i))
+            attn_out = batch.attend(i, q, k, v, self.attention_scale(i), kv_stored=True)
         return self.piece(len(self.layers), positions, input_ids, attn_out, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

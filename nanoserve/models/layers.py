@@ -10,7 +10,9 @@ Sharding invariants (rank r of a group of size N):
 - a row-parallel linear holds the matching input columns and returns its partial sums
   (rank 0's plus the bias, so the sum holds it once); the RMSNorm that follows sums them
   over the ranks (`reduce_over`), fused with its residual add where symmetric memory
-  allows (nanoserve/distributed/symm_all_reduce.py);
+  allows (nanoserve/distributed/symm_all_reduce.py); on one GPU a product that runs
+  split-K may return its unsummed fp32 partials (`SplitKPartials`), which the same norm
+  sums: a row-parallel linear's output goes to the RMSNorm after it and nowhere else;
 - the embedding holds vocabulary rows [r*V/N, (r+1)*V/N); lookups outside the slice give
   zeros, so its output is partial sums too, summed by the first layer's input norm
   (`RMSNorm.start_stream`, fused where symmetric memory allows); the LM head gathers the
@@ -24,11 +26,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.attention.base import KVSink
 from nanoserve.distributed import SINGLE, TPGroup
 
 # Fused elementwise ops on CUDA: the plain torch functions below compiled by torch.compile
@@ -109,14 +113,12 @@ def linear(
     fp32_out = fp32_out and x.dtype != torch.float32
     k, n = x.shape[-1], weight.shape[0]
     rows = x.numel() // k if k else 0
-    if TRITON_OPS and x.is_cuda and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(1) == 1:
-        ops = triton_ops()
-        config = ops.linear_config(rows, n, k, x.dtype)
-        if config is not None:
-            if out is None:
-                out = torch.empty(rows, n, dtype=torch.float32 if fp32_out else x.dtype, device=x.device)
-            ops.small_m_linear(x.reshape(rows, k), weight, bias, config, out=out)
-            return out.view(*x.shape[:-1], n)
+    config = _small_m_config(x, weight)
+    if config is not None:
+        if out is None:
+            out = torch.empty(rows, n, dtype=torch.float32 if fp32_out else x.dtype, device=x.device)
+        triton_ops().small_m_linear(x.reshape(rows, k), weight, bias, config, out=out)
+        return out.view(*x.shape[:-1], n)
     if not fp32_out:
         if out is None:
             return F.linear(x, weight, bias)
@@ -135,6 +137,27 @@ def linear(
     if out is not None:
         y = out.copy_(y)
     return y.view(*x.shape[:-1], n)
+
+
+def _small_m_config(x: torch.Tensor, weight: torch.Tensor):
+    """triton_ops' launch config for x W^T on CUDA (None: cuBLAS or the CPU path)."""
+    if TRITON_OPS and x.is_cuda and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(1) == 1:
+        k = x.shape[-1]
+        return triton_ops().linear_config(x.numel() // k if k else 0, weight.shape[0], k, x.dtype)
+    return None
+
+
+# A single-GPU row-parallel product that runs split-K leaves its fp32 partials unsummed and
+# the RMSNorm after it adds them (one launch less on the chain of every layer's o_proj and
+# down at 9..256 rows, bit-identical). NANOSERVE_SPLIT_SUM_IN_NORM=0: the sum kernel (A/B).
+SPLIT_SUM_IN_NORM = os.environ.get("NANOSERVE_SPLIT_SUM_IN_NORM", "1") != "0"
+
+
+class SplitKPartials(NamedTuple):
+    """A row-parallel product left unsummed: its split-K fp32 partials [S, T, N] (dense),
+    which the next RMSNorm adds in split order and rounds once (triton_ops.rms_norm)."""
+
+    planes: torch.Tensor
 
 
 rms_norm = fused(rms_norm_plain)
@@ -177,12 +200,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce_over: TPGroup = SINGLE):
+    def forward(
+        self, x: torch.Tensor | SplitKPartials, residual: torch.Tensor | None = None, reduce_over: TPGroup = SINGLE
+    ):
         """With `residual`, adds it first and returns (normed, sum) so the sum can be the
         next residual. On CUDA, rows of a 2-D x go through the Triton kernel (one launch).
         With `reduce_over` (and a residual), x holds this rank's partial sums of a
         row-parallel layer: they are summed over the group first, fused with the add and
-        the norm where the group's symmetric-memory path holds x, else by its all-reduce."""
+        the norm where the group's symmetric-memory path holds x, else by its all-reduce.
+        SplitKPartials (single GPU, CUDA) are summed by the norm's own kernel."""
+        if isinstance(x, SplitKPartials):
+            return triton_ops().rms_norm(x.planes, self.weight, self.eps, residual)
         if reduce_over.size > 1:
             fused = None if residual is None else reduce_over.reduce_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:
@@ -227,6 +255,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return torch.where(medium, smoothed, scaled)
 
 
+# The rotary kernel also writes the new K/V into the cache where the caller hands it a KVSink
+# (one launch less per layer); NANOSERVE_KV_STORE_IN_ROPE=0: attention's own store kernel (A/B).
+KV_STORE_IN_ROPE = os.environ.get("NANOSERVE_KV_STORE_IN_ROPE", "1") != "0"
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate-half), cos/sin precomputed per position."""
 
@@ -244,16 +277,28 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
+        v: torch.Tensor | None = None,
+        kv_sink: KVSink | None = None,
     ):
         """q: [T, Hq, D], k: [T, Hk, D]. With q_norm/k_norm (Qwen3) each head is
-        RMS-normalised first; on CUDA both steps run in one Triton launch."""
+        RMS-normalised first; on CUDA both steps run in one Triton launch. With `kv_sink`
+        (and v [T, Hk, D]) the rotated k and v are also written into the sink's cache
+        slots: by the same launch on CUDA, else by the sink's own store."""
         same_eps = q_norm is None or q_norm.eps == k_norm.eps
         if TRITON_OPS and q.is_cuda and same_eps:
             weights = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-            return triton_ops().qk_norm_rope(positions, q, k, self.cos, self.sin, *weights)
+            fuse = kv_sink is not None and KV_STORE_IN_ROPE
+            store = (v, kv_sink.k_cache, kv_sink.v_cache, kv_sink.slot_mapping) if fuse else None
+            q, k = triton_ops().qk_norm_rope(positions, q, k, self.cos, self.sin, *weights, kv_store=store)
+            if kv_sink is not None and not fuse:
+                kv_sink.store(k, v)
+            return q, k
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        return rope(positions, q, k, self.cos, self.sin)
+        q, k = rope(positions, q, k, self.cos, self.sin)
+        if kv_sink is not None:
+            kv_sink.store(k, v)
+        return q, k
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -335,10 +380,16 @@ class RowParallelLinear(nn.Module):
         cols = param.shape[1]
         param.data.copy_(full[:, self.tp.rank * cols : (self.tp.rank + 1) * cols])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """This rank's partial sums x_r W_r^T, rank 0's plus the bias: the layer's output once
         summed over the group, which the RMSNorm after it does (`reduce_over`), fused with
-        its residual add where it can. With TP=1 the partial sum is the output."""
+        its residual add where it can. With TP=1 the partial sum is the output, or, where
+        the product runs split-K (SPLIT_SUM_IN_NORM, no bias), its unsummed SplitKPartials:
+        the RMSNorm after it is this layer's only consumer."""
+        if self.tp.size == 1 and self.bias is None and SPLIT_SUM_IN_NORM and x.dim() == 2:
+            config = _small_m_config(x, self.weight)
+            if config is not None and config.split_k > 1:
+                return SplitKPartials(triton_ops().small_m_linear(x, self.weight, None, config, partials_only=True))
         # TP=1 rounds each output once, at the end of its full-width matmul; with
         # TP_REDUCE_FP32 the partials stay fp32 through the sum and are rounded once after
         # it, as TP=1 does, for twice the bytes on the wire (opt-in).

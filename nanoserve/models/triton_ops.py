@@ -15,7 +15,9 @@ is used; the kernels launch with programmatic dependent launch where the GPU has
   `linear_config(M, N, K, dtype)` is the measured rule (see its comment): a config, or
   None where cuBLAS is as fast.
 - `qk_norm_rope(positions, q, k, cos, sin, ...)`: Qwen3's per-head RMSNorm of q and k
-  followed by the neox rotary embedding, one launch for both tensors (Llama: rotary only).
+  followed by the neox rotary embedding, one launch for both tensors (Llama: rotary only);
+  optionally the same launch writes the rotated k and v into the KV cache (the store that
+  attention's `store_kv` would otherwise do in a launch of its own).
 - `rms_norm(x, weight, eps, residual)`: RMSNorm of each row, optionally after adding the
   residual (returning the sum too), one program per row. As fast as the torch.compile'd
   version (1.46 vs 1.45 us per call at hidden 1024, 1.92 vs 2.16 at 4096) and, unlike it,
@@ -226,17 +228,25 @@ def small_m_linear(
     bias: torch.Tensor | None,
     config: LinearConfig,
     out: torch.Tensor | None = None,
+    partials_only: bool = False,
 ) -> torch.Tensor:
     """y = x W^T (+ b) for x [M, K] (dense last dim), weight [N, K] (dense rows). `out` is an
     optional [M, N] result buffer with dense rows, in x's dtype or fp32 (then the fp32
     accumulator is stored unrounded); without it the result is a new [M, N] in x's dtype.
     A split-K config (`config.split_k` > 1) also allocates its fp32 workspace
-    [split_k, M, N] here, from the caching allocator (a CUDA graph's pool under capture)."""
+    [split_k, M, N] here, from the caching allocator (a CUDA graph's pool under capture).
+    With `partials_only` (a split-K config, no bias) the sum is left out and the workspace
+    returned: `rms_norm` adds its planes as the sum kernel would."""
+    if partials_only and (config.split_k < 2 or bias is not None):
+        raise ValueError("partials_only needs a split-K config and no bias")
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    for kernel, grid, args, options in _linear_launches(x, weight, bias, config, out):
+    launches = _linear_launches(x, weight, bias, config, out)
+    if partials_only:
+        launches = launches[:1]
+    for kernel, grid, args, options in launches:
         kernel[grid](*args, **options)
-    return out
+    return launches[0][2][3] if partials_only else out
 
 
 def compile_linear(
@@ -389,17 +399,16 @@ def _lanes(d, HALF: tl.constexpr):
 
 @triton.jit
 def _norm_rope_heads(
-    src, dst, w_ptr, h0, num_heads, stride_h, cos, sin, d, eps,
+    src, w_ptr, h0, num_heads, stride_h, cos, sin, d, eps, dtype: tl.constexpr,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
-    """Normalise (optionally) and rotate heads h0 .. h0 + BLOCK_H of one token; `dst` rows are
-    dense [heads, HEAD_DIM]."""
+    """Normalise (optionally) and rotate heads h0 .. h0 + BLOCK_H of one token: the rotated
+    halves (rounded to dtype), the heads and the mask."""
     h = h0 + tl.arange(0, BLOCK_H)
     mask = (h < num_heads)[:, None] & _lanes(d, HALF)[None, :]
     p1 = src + h[:, None] * stride_h + d[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    dtype = dst.dtype.element_ty
     if HAS_NORM:
         inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
         w1 = tl.load(w_ptr + d, mask=_lanes(d, HALF), other=0.0).to(tl.float32)[None, :]
@@ -407,42 +416,83 @@ def _norm_rope_heads(
         # As the reference: normalised value rounded to the dtype, times the weight, rounded.
         x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    q1 = dst + h[:, None] * HEAD_DIM + d[None, :]
-    tl.store(q1, o1.to(dtype), mask=mask)
-    tl.store(q1 + HALF, o2.to(dtype), mask=mask)
+    o1 = (x1 * cos - x2 * sin).to(dtype)
+    o2 = (x2 * cos + x1 * sin).to(dtype)
+    return o1, o2, h, mask
+
+
+@triton.jit
+def _store_halves(dst, o1, o2, h, d, mask, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """Heads h of one token into rows [heads, HEAD_DIM] with a dense last dim at `dst`."""
+    p1 = dst + h[:, None] * HEAD_DIM + d[None, :]
+    tl.store(p1, o1, mask=mask)
+    tl.store(p1 + HALF, o2, mask=mask)
+
+
+@triton.jit
+def _to_cache(x, cache_ty: tl.constexpr, TO_FP8: tl.constexpr):
+    """x in the cache's dtype: an fp8 cache rounds to nearest even, saturating, as torch's
+    cast and attention's `store_kv` do."""
+    if TO_FP8:
+        x = x.to(tl.float32).to(cache_ty, fp_downcast_rounding="rtne")
+    return x.to(cache_ty)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, eps,
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+    k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_kc, stride_vc, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, Q_BLOCKS: tl.constexpr,
-    HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    K_BLOCKS: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, TO_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    # Program (t, j): token t; head block j of q, or of k once j passes q's blocks.
+    # Program (t, j): token t; head block j of q, then of k, then (STORE_KV) of v. With
+    # STORE_KV a k program also writes its rotated heads into cache slot slot[t], and a v
+    # program copies its heads of v there (a negative slot skipped, as attention's
+    # `store_kv` does). v gets programs of its own so that no program does twice the work.
     pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     d = tl.arange(0, BLOCK_HALF)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    dtype = q_out_ptr.dtype.element_ty
-    # cos/sin rounded to the activations' dtype first, as the reference (and transformers) do.
     lanes = _lanes(d, HALF)
-    cos = tl.load(cos_ptr + pos * stride_cos + d, mask=lanes, other=0.0).to(dtype).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + pos * stride_cos + d, mask=lanes, other=0.0).to(dtype).to(tl.float32)[None, :]
-    if j < Q_BLOCKS:
-        _norm_rope_heads(
-            q_ptr + t * stride_qt, q_out_ptr + t * (NUM_Q_HEADS * HEAD_DIM), qw_ptr, j * BLOCK_H,
-            NUM_Q_HEADS, stride_qh, cos, sin, d, eps, HEAD_DIM, HALF, BLOCK_H, HAS_NORM,
-        )  # fmt: skip
-    else:
-        _norm_rope_heads(
-            k_ptr + t * stride_kt, k_out_ptr + t * (NUM_K_HEADS * HEAD_DIM), kw_ptr, (j - Q_BLOCKS) * BLOCK_H,
-            NUM_K_HEADS, stride_kh, cos, sin, d, eps, HEAD_DIM, HALF, BLOCK_H, HAS_NORM,
-        )  # fmt: skip
+    if j < Q_BLOCKS + K_BLOCKS:
+        if STORE_KV:
+            slot = tl.load(slot_ptr + t).to(tl.int64)  # issued early: its latency overlaps the math
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        dtype = q_out_ptr.dtype.element_ty
+        # cos/sin rounded to the activations' dtype first, as the reference (and transformers) do.
+        cos = tl.load(cos_ptr + pos * stride_cos + d, mask=lanes, other=0.0).to(dtype).to(tl.float32)[None, :]
+        sin = tl.load(sin_ptr + pos * stride_cos + d, mask=lanes, other=0.0).to(dtype).to(tl.float32)[None, :]
+        if j < Q_BLOCKS:
+            o1, o2, h, mask = _norm_rope_heads(
+                q_ptr + t * stride_qt, qw_ptr, j * BLOCK_H, NUM_Q_HEADS, stride_qh, cos, sin, d, eps, dtype,
+                HEAD_DIM, HALF, BLOCK_H, HAS_NORM,
+            )  # fmt: skip
+            _store_halves(q_out_ptr + t * (NUM_Q_HEADS * HEAD_DIM), o1, o2, h, d, mask, HEAD_DIM, HALF)
+        else:
+            o1, o2, h, mask = _norm_rope_heads(
+                k_ptr + t * stride_kt, kw_ptr, (j - Q_BLOCKS) * BLOCK_H, NUM_K_HEADS, stride_kh, cos, sin, d, eps,
+                dtype, HEAD_DIM, HALF, BLOCK_H, HAS_NORM,
+            )  # fmt: skip
+            _store_halves(k_out_ptr + t * (NUM_K_HEADS * HEAD_DIM), o1, o2, h, d, mask, HEAD_DIM, HALF)
+            if STORE_KV:  # noqa: SIM102 - `slot` exists only under the constexpr STORE_KV
+                if slot >= 0:
+                    cache_ty = k_cache_ptr.dtype.element_ty
+                    k1, k2 = _to_cache(o1, cache_ty, TO_FP8), _to_cache(o2, cache_ty, TO_FP8)
+                    _store_halves(k_cache_ptr + slot * stride_kc, k1, k2, h, d, mask, HEAD_DIM, HALF)
+    else:  # only launched with STORE_KV
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        h = (j - Q_BLOCKS - K_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (h < NUM_K_HEADS)[:, None] & lanes[None, :]
+        pv = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
+        v1 = tl.load(pv, mask=mask, other=0.0)
+        v2 = tl.load(pv + HALF, mask=mask, other=0.0)
+        if slot >= 0:
+            cache_ty = v_cache_ptr.dtype.element_ty
+            c1, c2 = _to_cache(v1, cache_ty, TO_FP8), _to_cache(v2, cache_ty, TO_FP8)
+            _store_halves(v_cache_ptr + slot * stride_vc, c1, c2, h, d, mask, HEAD_DIM, HALF)
 
 
 def qk_norm_rope(
@@ -454,10 +504,14 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None = None,
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm (when weights are given) then neox rotary on q [T, Hq, D] and
     k [T, Hk, D] (views with a dense last dim, e.g. column slices of the fused qkv output).
-    cos/sin: [max_positions, D/2] fp32 tables; positions: [T] ints. Returns new dense q, k."""
+    cos/sin: [max_positions, D/2] fp32 tables; positions: [T] ints. Returns new dense q, k.
+    `kv_store` = (v [T, Hk, D], k_cache, v_cache, slot_mapping [T]): the rotated k and v are
+    also written into the caches ([pages, page_size, Hk, D], dense in their last three dims,
+    k's dtype or fp8) at slot_mapping's slots, exactly as attention's `store_kv` writes them."""
     tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     if q.stride(2) != 1 or k.stride(2) != 1 or head_dim % 2 or cos.stride(1) != 1 or sin.stride() != cos.stride():
@@ -466,18 +520,25 @@ def qk_norm_rope(
     k_out = torch.empty(tokens, num_k_heads, head_dim, dtype=k.dtype, device=k.device)
     if tokens == 0:
         return q_out, k_out
+    v, k_cache, v_cache, slots = kv_store if kv_store is not None else (k, k_out, k_out, positions)
+    if kv_store is not None:
+        dense = all(c.stride(3) == 1 and c.stride(2) == head_dim and c.stride(1) == num_k_heads * head_dim for c in (k_cache, v_cache))
+        if v.shape != k.shape or v.stride(2) != 1 or not dense or k_cache.shape[2:] != k.shape[1:]:
+            raise ValueError("kv_store needs v shaped as k and caches [pages, page_size, Hk, D] dense in their last three dims")
     half = head_dim // 2
     block_h = min(4, triton.next_power_of_2(max(num_q_heads, num_k_heads)))
-    q_blocks = triton.cdiv(num_q_heads, block_h)
-    grid = (tokens, q_blocks + triton.cdiv(num_k_heads, block_h))
+    q_blocks, k_blocks = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_k_heads, block_h)
+    grid = (tokens, q_blocks + k_blocks * (2 if kv_store is not None else 1))
     has_norm = q_weight is not None
     _qk_norm_rope_kernel[grid](
-        q, k, q_out, k_out, positions, cos, sin,
+        q, k, v, q_out, k_out, positions, cos, sin,
         q_weight if has_norm else cos, k_weight if has_norm else cos,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
+        k_cache, v_cache, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        k_cache.stride(1), v_cache.stride(1), eps,
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_dim,
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h, Q_BLOCKS=q_blocks, HAS_NORM=has_norm,
-        num_warps=1 if half * block_h <= 256 else 4, **launch_options(q.device),
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h, Q_BLOCKS=q_blocks, K_BLOCKS=k_blocks,
+        HAS_NORM=has_norm, STORE_KV=kv_store is not None, TO_FP8=k_cache.element_size() == 1, num_warps=1 if half * block_h <= 256 else 4, **launch_options(q.device),
     )  # fmt: skip
     return q_out, k_out
 
@@ -487,16 +548,25 @@ def qk_norm_rope(
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, stride_plane, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """Program r: row r of x (SPLITS == 0), or of the sum of SPLITS fp32 planes of a split-K
+    product (x_ptr: the workspace [SPLITS, M, N], planes `stride_plane` apart), added in
+    split order and rounded once to the output dtype exactly as `_sum_splits_kernel` would;
+    then the residual add and the norm."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = _lanes(cols, N)
     dtype = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)  # the next matmul starts streaming its weights now
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if SPLITS > 0:
+        for s in tl.static_range(1, SPLITS):
+            x += tl.load(x_ptr + s * stride_plane + row * stride_x + cols, mask=mask, other=0.0)
+        x = x.to(dtype)  # the product's one rounding
+    x = x.to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         x = (x + r).to(dtype)  # the sum is rounded before the norm reads it, as in the reference
@@ -518,19 +588,29 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of the rows of x [T, N] (dense rows); with `residual` [T, N], of x + residual,
-    returning (normed, x + residual) like layers.add_rms_norm_plain. Outputs in x's dtype."""
-    tokens, n = x.shape
-    if x.stride(1) != 1 or (residual is not None and (residual.shape != x.shape or residual.stride(1) != 1)):
+    returning (normed, x + residual) like layers.add_rms_norm_plain. Outputs in x's dtype.
+
+    x may also be a split-K product's unsummed fp32 partials [S, T, N] (dense; see
+    `small_m_linear(..., partials_only=True)`), with the outputs in weight's dtype: the planes
+    are summed in split order and rounded once to that dtype first, so the result is
+    bit-identical to summing them with the product's own sum kernel, in one launch less."""
+    splits = x.shape[0] if x.dim() == 3 else 0
+    if splits and not x.is_contiguous():
+        raise ValueError("split-K partials must be dense [S, T, N]")
+    tokens, n = x.shape[-2:]
+    if x.stride(-1) != 1 or (residual is not None and (residual.shape != (tokens, n) or residual.stride(1) != 1)):
         raise ValueError("rms_norm needs rows with a dense last dim")
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dtype = weight.dtype if splits else x.dtype
+    out = torch.empty(tokens, n, dtype=dtype, device=x.device)
     total = torch.empty_like(out) if residual is not None else out
     if tokens:
         block = triton.next_power_of_2(n)
-        r = residual if residual is not None else x
+        r = residual if residual is not None else out
         _rms_norm_kernel[(tokens,)](
-            x, r, weight, out, total, x.stride(0), r.stride(0), out.stride(0), total.stride(0), eps,
-            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 256)),
-            **launch_options(x.device),
+            x, r, weight, out, total, x.stride(-2), r.stride(0), out.stride(0), total.stride(0),
+            tokens * n if splits else 0, eps,
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, SPLITS=splits,
+            num_warps=min(16, max(1, block // 256)), **launch_options(x.device),
         )  # fmt: skip
     return out if residual is None else (out, total)
 
