@@ -200,6 +200,16 @@ def _linear_dot_kernel(
 
 
 @triton.jit
+def _sum_planes(ptrs, plane, mask, SPLITS: tl.constexpr):
+    """The split-K partials at `ptrs` in planes `plane` elements apart, added in split order
+    in fp32 (the one order every reader of a split-K workspace uses)."""
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(ptrs + s * plane, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
 def _sum_splits_kernel(
     ws_ptr, b_ptr, y_ptr, M, N, stride_ym,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
@@ -212,11 +222,8 @@ def _sum_splits_kernel(
     if HAS_BIAS:  # a weight: read before the wait
         b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)
-    ptrs = ws_ptr + row * N + cols
     plane = tl.num_programs(1).to(tl.int64) * N  # M (an M of 1 arrives as a constexpr)
-    acc = tl.load(ptrs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(ptrs + s * plane, mask=mask, other=0.0)
+    acc = _sum_planes(ws_ptr + row * N + cols, plane, mask, SPLIT_K)
     if HAS_BIAS:
         acc += b
     tl.store(y_ptr + row * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
@@ -246,7 +253,10 @@ def small_m_linear(
         launches = launches[:1]
     for kernel, grid, args, options in launches:
         kernel[grid](*args, **options)
-    return launches[0][2][3] if partials_only else out
+    if partials_only:
+        _, _, dot_args, _ = launches[0]
+        return dot_args[3]  # the dot kernel's output: the fp32 workspace [split_k, M, N]
+    return out
 
 
 def compile_linear(
@@ -520,10 +530,12 @@ def qk_norm_rope(
     k_out = torch.empty(tokens, num_k_heads, head_dim, dtype=k.dtype, device=k.device)
     if tokens == 0:
         return q_out, k_out
+    # without kv_store the kernel never touches v, the caches or the slots: any tensors will do
     v, k_cache, v_cache, slots = kv_store if kv_store is not None else (k, k_out, k_out, positions)
     if kv_store is not None:
-        dense = all(c.stride(3) == 1 and c.stride(2) == head_dim and c.stride(1) == num_k_heads * head_dim for c in (k_cache, v_cache))
-        if v.shape != k.shape or v.stride(2) != 1 or not dense or k_cache.shape[2:] != k.shape[1:]:
+        row = (num_k_heads * head_dim, head_dim, 1)
+        dense = all(c.stride()[1:] == row and c.shape[2:] == k.shape[1:] for c in (k_cache, v_cache))
+        if v.shape != k.shape or v.stride(2) != 1 or not dense:
             raise ValueError("kv_store needs v shaped as k and caches [pages, page_size, Hk, D] dense in their last three dims")
     half = head_dim // 2
     block_h = min(4, triton.next_power_of_2(max(num_q_heads, num_k_heads)))
@@ -538,7 +550,8 @@ def qk_norm_rope(
         k_cache.stride(1), v_cache.stride(1), eps,
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_dim,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h, Q_BLOCKS=q_blocks, K_BLOCKS=k_blocks,
-        HAS_NORM=has_norm, STORE_KV=kv_store is not None, TO_FP8=k_cache.element_size() == 1, num_warps=1 if half * block_h <= 256 else 4, **launch_options(q.device),
+        HAS_NORM=has_norm, STORE_KV=kv_store is not None, TO_FP8=k_cache.element_size() == 1,
+        num_warps=1 if half * block_h <= 256 else 4, **launch_options(q.device),
     )  # fmt: skip
     return q_out, k_out
 
@@ -561,11 +574,10 @@ def _rms_norm_kernel(
     dtype = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)  # the next matmul starts streaming its weights now
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if SPLITS > 0:
-        for s in tl.static_range(1, SPLITS):
-            x += tl.load(x_ptr + s * stride_plane + row * stride_x + cols, mask=mask, other=0.0)
-        x = x.to(dtype)  # the product's one rounding
+        x = _sum_planes(x_ptr + row * stride_x + cols, stride_plane, mask, SPLITS).to(dtype)  # its one rounding
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     x = x.to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
