@@ -1,34 +1,44 @@
-"""A Triton kernel that samples one token per row of logits in one read of the logits.
+"""Triton kernels that sample one token per row of logits in one read of the logits.
 
-Owns `fused_sample(logits, temperature, seed, step)`: for each row, the argmax over the
-vocabulary of logit / T + Gumbel noise (T > 0: a draw from softmax(logits / T), the
-Gumbel-max trick) or of the logit itself (T == 0: greedy). The slow twin is the torch
-path of sampler.py (fp32 copy of the logits, a noise tensor of the same size, a fused
-argmax), which reads and writes about 1 GB per step at batch 256 x 151,936 words; this
-kernel reads the logits once in their own dtype (78 MB) and writes two small partials.
+Owns `fused_sample(logits, temperature, seed, step)`: for each row, a draw from
+softmax(logits / T) by inverse transform sampling (T > 0), or the argmax of the logits
+(T == 0: greedy). The slow twin is the torch path of sampler.py (fp32 copy of the logits, a
+noise tensor of the same size, a fused argmax), which reads and writes about 1 GB per step
+at batch 256 x 151,936 words; these kernels read the logits once in their own dtype (78 MB)
+plus one tile per row.
 
-How: a 2-D grid, rows x vocabulary chunks. Each program walks its chunk in tiles of BLOCK
-words and keeps, per lane, the best score and its index; it writes the chunk's best
-(score, index) to a partial buffer, and a second kernel (one program per row) picks the
-best chunk. The chunk count grows as the batch shrinks, so a batch of one row still
-spreads over many SMs.
+How, in two launches:
+1. `_tile_stats_kernel`, a 2-D grid of rows x vocabulary chunks: each program walks its
+   chunk in tiles of BLOCK words and writes, per tile, the largest logit m and (rows with
+   T > 0) the tile's softmax mass s = sum of 2^((logit - m) * log2(e) / T). The chunk count
+   grows as the batch shrinks, so a batch of one row still spreads over many SMs.
+2. `_draw_kernel`, one program per row: with M the row's largest logit, tile j weighs
+   W_j = s_j * 2^((m_j - M) * log2(e) / T). A uniform u in (0, 1) picks the first tile whose
+   running sum of W passes u * sum(W), then, in that tile, the first word whose running sum
+   of the same per-word terms passes what is left: word w is chosen with probability
+   softmax(logits / T)[w]. Greedy rows (and rows with no finite positive mass, e.g. all
+   -inf or a +inf logit) take the first tile holding M and, in it, the first word equal to M.
+   The running sums and u are fp64 (u from 52 random bits), so no word's probability is lost
+   to the resolution of fp32.
 
-Noise: Philox (tl.philox) keyed by the sampler's seed, with counter (word // 4, row, step):
-one Philox call gives the uniforms of four neighbouring words. `step` is a host int the
-caller increments per call, so draws differ between calls, repeat for the same (seed,
-step), and need no device state. A uniform u in (0, 1) becomes E = -ln(1 - u) ~
-Exp(1) (a short series for small u, where 1 - u would lose the digits that decide the
-winner), and the score is logit / T - ln E, whose argmax is a draw from softmax(logit / T). Both logs
-run on the GPU's approximate lg2 (`_ln`).
+One uniform per row instead of noise per word: the Gumbel-max kernel this replaces drew a
+Philox number and two logs for each of the 39M words of a 256-row step and was compute-bound
+at about half the copy bandwidth (H200: 74 us per 256-row call).
+
+Uniforms: Philox (tl.philox) keyed by the sampler's seed, with counter (row, 0, step low,
+step high). `step` is a host int the caller increments per call, so draws differ between
+calls, repeat for the same (seed, step), and need no device state.
 
 Invariants:
-- greedy rows: exactly torch.argmax of the logits (ties: the lowest index, as torch);
-  T > 0 rows: statistically a draw from softmax(logits / T); NaN logits are never chosen
-  (torch.argmax would return a NaN's index);
+- greedy rows: exactly torch.argmax of the logits (ties: the lowest index, as torch; a row
+  of -inf gives 0, as torch); NaN logits are never chosen (they count as -inf);
+- T > 0 rows: a word of probability 0 (logit -inf or NaN) is never drawn; the others with
+  their softmax(logits / T) probability, up to fp32 rounding of the per-word terms;
 - no host sync: grids and the partial buffers depend only on the logits' shape; the
   temperatures are read on the device;
-- the noise of a word depends on (seed, step, row, word) only, not on the tile size or on
-  how the vocabulary is split into chunks (a chunk starts at a multiple of the tile).
+- the draw depends on (seed, step, row) and the row's logits only, not on how the
+  vocabulary is split into chunks (chunks are whole tiles; the per-tile terms and the order
+  of every sum are fixed by the tile size alone).
 """
 
 from __future__ import annotations
@@ -44,164 +54,120 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Words per tile and the most chunks a row is split into. The interpreter runs numpy per
 # program: small tiles keep CPU tests fast and make tiny vocabularies cross several tiles
 # and chunks.
-BLOCK = 16 if INTERPRET else 1024
+BLOCK = 16 if INTERPRET else 2048
 NUM_WARPS = 4
 MAX_CHUNKS = 8 if INTERPRET else 256
 # Programs the chunk split aims for, per SM (a batch of 256 rows gets 5 chunks per row on
-# 132 SMs; a single row gets 149 chunks of one tile each).
+# 132 SMs; a single row gets one chunk per tile).
 PROGRAMS_PER_SM = 8
-# The noise's logs through the GPU's approximate lg2 (see _ln); NANOSERVE_SAMPLER_FAST_LOG=0:
-# libdevice's logf, for A/B.
-FAST_LOG = not INTERPRET and os.environ.get("NANOSERVE_SAMPLER_FAST_LOG", "1") != "0"
+LOG2E = 1.4426950408889634
 _num_sms: dict[int, int] = {}
 
 
 @triton.jit
-def _tile(BLOCK: tl.constexpr):
-    """Word offsets of a tile as [BLOCK // 4, 4]: row g holds words 4g .. 4g + 3, the four
-    that share one Philox call, along the last axis so that one thread holds all four
-    (a layout that split them would make each thread repeat the call)."""
-    return tl.arange(0, BLOCK // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
+def _load_row_tile(row_ptr, vocab, tile, BLOCK: tl.constexpr):
+    """Logits of words tile * BLOCK + [0, BLOCK) in fp32: -inf past the vocabulary and for NaN."""
+    cols = tile * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    return tl.where(x == x, x, float("-inf"))  # noqa: PLR0124 - x != x only for NaN
 
 
 @triton.jit
-def _ln(x, FAST: tl.constexpr):
-    """Natural log. FAST: the GPU's lg2.approx (one special-function instruction, relative
-    error ~2^-22) times ln 2, where tl.log compiles to libdevice's accurate logf, about twenty
-    instructions and a branch: with two logs per word the kernel was compute-bound on them
-    (H200, 256 rows x 151,936 words at T = 0.6: 0.137 -> 0.074 ms per call). Noise needs no
-    last-ulp accuracy. The interpreter cannot run PTX: FAST is off there."""
-    if FAST:
-        y = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
-        return y * 0.6931471805599453
-    else:
-        return tl.log(x)
+def _terms(x, m, c):
+    """Per-word softmax terms of a tile relative to its max m: 2^((x - m) * c), c = log2(e) / T.
+    Both kernels compute them with this one expression, so the draw re-creates exactly the
+    terms that the tile's mass summed. A tile of -inf has terms 0 (not NaN)."""
+    return tl.exp2((x - tl.where(m == float("-inf"), 0.0, m)) * c)
 
 
 @triton.jit
-def _gumbel_scores(logit, inv_t, seed, step_lo, step_hi, row, tile_start, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
-    """logit * inv_t + Gumbel(0, 1) noise for the tile of words tile_start + _tile(BLOCK)
-    (tile_start a multiple of 4): word w gets output w % 4 of Philox counter
-    (w // 4, row, step_lo, step_hi)."""
-    c0 = (tile_start // 4 + tl.arange(0, BLOCK // 4)).to(tl.uint32)
-    zero = c0 * 0
-    c1 = zero + row.to(tl.uint32)
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero + step_lo.to(tl.uint32), zero + step_hi.to(tl.uint32))
-    j = tl.arange(0, 4)[None, :]
-    r = tl.where(j == 0, r0[:, None], tl.where(j == 1, r1[:, None], tl.where(j == 2, r2[:, None], r3[:, None])))
-    # u in (0, 1]: a uint32 at its midpoint, scaled by 2^-32 (rounds to 1 only at the top).
-    u = r.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10
-    # E = -ln(1 - u) ~ Exp(1). For small u, 1 - u in fp32 drops the digits of u that make E
-    # small (the likely winners): there, the series u + u^2/2 + u^3/3 + u^4/4.
-    series = u * (1.0 + u * (0.5 + u * (0.3333333333333333 + u * 0.25)))
-    e = tl.where(u < 0.015625, series, -_ln(1.0 - u, FAST_LOG))
-    return logit * inv_t - _ln(e, FAST_LOG)
+def _inv_temperature(temp_ptr, row):
+    """(T, log2(e) / T) of a row; the second is only used where T > 0."""
+    t = tl.load(temp_ptr + row)
+    return t, 1.4426950408889634 / tl.where(t > 0, t, 1.0)
 
 
 @triton.jit
-def _chunk_best(
-    row_ptr,
-    vocab,
-    chunk_start,
-    chunk,
-    inv_t,
-    seed,
-    step_lo,
-    step_hi,
-    row,
-    BLOCK: tl.constexpr,
-    NOISE: tl.constexpr,
-    FAST_LOG: tl.constexpr,
-):
-    """(best score, its lowest index) over words [chunk_start, chunk_start + chunk)."""
-    offs = _tile(BLOCK)
-    best = tl.full([BLOCK // 4, 4], float("-inf"), tl.float32)
-    best_idx = chunk_start + offs
-    for tile in range(0, chunk, BLOCK):
-        cols = chunk_start + tile + offs
-        logit = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-        if NOISE:
-            score = _gumbel_scores(logit, inv_t, seed, step_lo, step_hi, row, chunk_start + tile, BLOCK, FAST_LOG)
-        else:
-            score = logit
-        # Strictly greater: a lane keeps its earliest index among equal scores.
-        better = score > best
-        best = tl.where(better, score, best)
-        best_idx = tl.where(better, cols, best_idx)
-    top = tl.max(tl.max(best, axis=1), axis=0)
-    first = tl.min(tl.min(tl.where(best == top, best_idx, 2147483647), axis=1), axis=0)
-    return top, first
+def _row_uniform(seed, row, step_lo, step_hi):
+    """The row's uniform, fp64 from 52 Philox bits: (r0 * 2^20 + (r1 >> 12) + 0.5) * 2^-52, in
+    [2^-53, 1 - 2^-53] (the half is exact below 2^52, so u is never 0 or 1)."""
+    zero = (row * 0).to(tl.uint32)
+    r0, r1, _, _ = tl.philox(seed, row.to(tl.uint32), zero, zero + step_lo.to(tl.uint32), zero + step_hi.to(tl.uint32))
+    u = ((r0.to(tl.uint64) << 20) + (r1 >> 12).to(tl.uint64)).to(tl.float64)
+    return (u + 0.5) * 2.220446049250313e-16
 
 
 # Ints that vary from call to call are not specialized (Triton would compile a variant for a
 # value of 1 or a multiple of 16).
-@triton.jit(do_not_specialize=["num_chunks", "seed", "step_lo", "step_hi"])
-def _sample_chunk_kernel(
-    logits_ptr,
-    temp_ptr,
-    part_val_ptr,
-    part_idx_ptr,
-    vocab,
-    stride_row,
-    chunk,
-    num_chunks,
-    seed,
-    step_lo,
-    step_hi,
-    BLOCK: tl.constexpr,
-    FAST_LOG: tl.constexpr,
+@triton.jit(do_not_specialize=["tiles_per_chunk", "num_tiles"])
+def _tile_stats_kernel(
+    logits_ptr, temp_ptr, max_ptr, mass_ptr, vocab, stride_row, tiles_per_chunk, num_tiles, BLOCK: tl.constexpr
 ):
     row = tl.program_id(0)
-    c = tl.program_id(1)
+    first = tl.program_id(1) * tiles_per_chunk
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    t = tl.load(temp_ptr + row)
-    inv_t = 1.0 / tl.where(t > 0, t, 1.0)
-    if t > 0:
-        top, first = _chunk_best(
-            row_ptr, vocab, c * chunk, chunk, inv_t, seed, step_lo, step_hi, row, BLOCK, True, FAST_LOG
-        )
-    else:  # greedy: no noise drawn
-        top, first = _chunk_best(
-            row_ptr, vocab, c * chunk, chunk, inv_t, seed, step_lo, step_hi, row, BLOCK, False, FAST_LOG
-        )
-    tl.store(part_val_ptr + row * num_chunks + c, top)
-    tl.store(part_idx_ptr + row * num_chunks + c, first)
+    t, c = _inv_temperature(temp_ptr, row)
+    stats = row.to(tl.int64) * num_tiles
+    for tile in range(first, tl.minimum(first + tiles_per_chunk, num_tiles)):
+        x = _load_row_tile(row_ptr, vocab, tile, BLOCK)
+        m = tl.max(x, axis=0)
+        tl.store(max_ptr + stats + tile, m)
+        if t > 0:  # greedy rows need no mass
+            tl.store(mass_ptr + stats + tile, tl.sum(_terms(x, m, c), axis=0))
 
 
-@triton.jit(do_not_specialize=["num_chunks"])
-def _sample_reduce_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks, MAX_CHUNKS: tl.constexpr):
-    """The best chunk of each row; chunks are in word order, so the lowest index wins ties."""
+@triton.jit(do_not_specialize=["num_tiles", "seed", "step_lo", "step_hi"])
+def _draw_kernel(
+    logits_ptr, temp_ptr, max_ptr, mass_ptr, out_ptr, vocab, stride_row, num_tiles, seed, step_lo, step_hi,
+    BLOCK: tl.constexpr, TILES: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
-    k = tl.arange(0, MAX_CHUNKS)
-    valid = k < num_chunks
-    vals = tl.load(part_val_ptr + row * num_chunks + k, mask=valid, other=float("-inf"))
-    idx = tl.load(part_idx_ptr + row * num_chunks + k, mask=valid, other=2147483647)
-    top = tl.max(vals, axis=0)
-    token = tl.min(tl.where(valid & (vals == top), idx, 2147483647), axis=0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    t, c = _inv_temperature(temp_ptr, row)
+    j = tl.arange(0, TILES)
+    j_ok = j < num_tiles
+    stats = row.to(tl.int64) * num_tiles
+    m = tl.load(max_ptr + stats + j, mask=j_ok, other=float("-inf"))
+    top = tl.max(m, axis=0)
+
+    # Greedy (and the fallback of a row without finite mass): the first word equal to the
+    # largest logit, in the first tile that holds it.
+    top_tile = tl.min(tl.where(j_ok & (m == top), j, TILES), axis=0)
+    k = tl.arange(0, BLOCK)
+    x = _load_row_tile(row_ptr, vocab, top_tile, BLOCK)
+    token = top_tile * BLOCK + tl.min(tl.where(x == top, k, BLOCK), axis=0)
+
+    if t > 0:
+        # Tile weights relative to the row's max, their running sum (fp64), and the target.
+        mass = tl.load(mass_ptr + stats + j, mask=j_ok, other=0.0)
+        weight = mass.to(tl.float64) * _terms(m, top, c).to(tl.float64)
+        total = tl.sum(weight, axis=0)
+        cum = tl.cumsum(weight, axis=0)
+        target = _row_uniform(seed, row, step_lo, step_hi) * total
+        # The first tile whose running sum passes the target; the last tile with mass if
+        # rounding left the target at the very end.
+        last_tile = tl.max(tl.where(weight > 0, j, -1), axis=0)
+        tile = tl.maximum(tl.minimum(tl.min(tl.where(j_ok & (cum > target), j, TILES), axis=0), last_tile), 0)
+        before = tl.max(tl.where(j < tile, cum, 0.0), axis=0)
+        # What is left of the target, in the tile's own terms (relative to its max).
+        m_tile = tl.max(tl.where(j == tile, m, float("-inf")), axis=0)
+        scale = _terms(m_tile, top, c).to(tl.float64)
+        left = (target - before) / scale
+        y = _load_row_tile(row_ptr, vocab, tile, BLOCK)
+        terms = _terms(y, m_tile, c)
+        run = tl.cumsum(terms.to(tl.float64), axis=0)
+        last_word = tl.max(tl.where(terms > 0, k, -1), axis=0)
+        word = tl.minimum(tl.min(tl.where(run > left, k, BLOCK), axis=0), last_word)
+        finite = (total > 0) & (total < float("inf"))  # NaN fails both: the greedy fallback
+        token = tl.where(finite, tile * BLOCK + word, token)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["seed", "step_lo", "step_hi"])
-def _scores_kernel(
-    logits_ptr,
-    temp_ptr,
-    out_ptr,
-    vocab,
-    stride_row,
-    seed,
-    step_lo,
-    step_hi,
-    BLOCK: tl.constexpr,
-    FAST_LOG: tl.constexpr,
-):
-    """Test twin: the scores `_sample_chunk_kernel` maximizes, one tile per program."""
+def _uniforms_kernel(out_ptr, seed, step_lo, step_hi):
+    """Test twin: the uniform `_draw_kernel` uses for row program_id(0)."""
     row = tl.program_id(0)
-    start = tl.program_id(1) * BLOCK
-    cols = start + _tile(BLOCK)
-    logit = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab).to(tl.float32)
-    t = tl.load(temp_ptr + row)
-    score = _gumbel_scores(logit, 1.0 / t, seed, step_lo, step_hi, row, start, BLOCK, FAST_LOG)
-    tl.store(out_ptr + row.to(tl.int64) * vocab + cols, score, mask=cols < vocab)
+    tl.store(out_ptr + row, _row_uniform(seed, row, step_lo, step_hi))
 
 
 def _programs_target(device: torch.device) -> int:
@@ -213,13 +179,12 @@ def _programs_target(device: torch.device) -> int:
     return PROGRAMS_PER_SM * _num_sms[index]
 
 
-def split_vocab(rows: int, vocab: int, programs: int) -> tuple[int, int]:
-    """(words per chunk, a multiple of BLOCK; number of chunks) so that rows x chunks is about `programs`, with at most MAX_CHUNKS
-    chunks and at least one tile per chunk."""
-    block = BLOCK
-    wanted = min(MAX_CHUNKS, triton.cdiv(vocab, block), max(1, triton.cdiv(programs, max(rows, 1))))
-    chunk = triton.cdiv(triton.cdiv(vocab, wanted), block) * block
-    return chunk, triton.cdiv(vocab, chunk)
+def split_vocab(rows: int, num_tiles: int, programs: int) -> tuple[int, int]:
+    """(tiles per chunk, number of chunks) so that rows x chunks is about `programs`, with at
+    most MAX_CHUNKS chunks and at least one tile per chunk."""
+    wanted = min(MAX_CHUNKS, num_tiles, max(1, triton.cdiv(programs, max(rows, 1))))
+    per_chunk = triton.cdiv(num_tiles, wanted)
+    return per_chunk, triton.cdiv(num_tiles, per_chunk)
 
 
 def _noise_key(seed: int, step: int) -> tuple[int, int, int]:
@@ -228,58 +193,37 @@ def _noise_key(seed: int, step: int) -> tuple[int, int, int]:
     return seed & 0x7FFFFFFF, step & 0x7FFFFFFF, (step >> 31) & 0x7FFFFFFF
 
 
-def gumbel_scores(logits: torch.Tensor, temperature: torch.Tensor, seed: int, step: int) -> torch.Tensor:
-    """Test twin of `fused_sample` for rows with T > 0: the fp32 scores [N, vocab]
-    (logit / T + the same Gumbel noise) whose argmax it returns."""
-    rows, vocab = logits.shape
-    out = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
-    if rows and logits.stride(1) != 1:
-        logits = logits.contiguous()
-    grid = (rows, triton.cdiv(vocab, BLOCK))
+def row_uniforms(rows: int, seed: int, step: int, device: torch.device) -> torch.Tensor:
+    """Test twin of `fused_sample`: the fp64 uniform each row's draw uses."""
+    out = torch.empty(rows, dtype=torch.float64, device=device)
     if rows:
-        _scores_kernel[grid](
-            logits,
-            temperature,
-            out,
-            vocab,
-            logits.stride(0),
-            *_noise_key(seed, step),
-            BLOCK=BLOCK,
-            FAST_LOG=FAST_LOG,
-            num_warps=NUM_WARPS,
-        )
+        _uniforms_kernel[(rows,)](out, *_noise_key(seed, step), num_warps=1)
     return out
 
 
 def fused_sample(
     logits: torch.Tensor, temperature: torch.Tensor, seed: int, step: int, programs: int | None = None
 ) -> torch.Tensor:
-    """One token per row of `logits` [N, vocab] (any float dtype, words dense): argmax of
-    logit / T + Gumbel noise, or of the logit where T == 0. `temperature`: fp32 [N] on the
-    logits' device. `seed`, `step`: host ints keying the noise. Returns long [N]."""
+    """One token per row of `logits` [N, vocab] (any float dtype, words dense): a draw from
+    softmax(logits / T), or the argmax where T == 0. `temperature`: fp32 [N] on the logits'
+    device. `seed`, `step`: host ints keying the uniforms. Returns long [N]."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows == 0:
         return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    num_tiles = triton.cdiv(vocab, BLOCK)
     programs = programs if programs is not None else _programs_target(logits.device)
-    chunk, num_chunks = split_vocab(rows, vocab, programs)
-    part_val = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
-    _sample_chunk_kernel[(rows, num_chunks)](
-        logits,
-        temperature,
-        part_val,
-        part_idx,
-        vocab,
-        logits.stride(0),
-        chunk,
-        num_chunks,
-        *_noise_key(seed, step),
-        BLOCK=BLOCK,
-        FAST_LOG=FAST_LOG,
-        num_warps=NUM_WARPS,
-    )
-    _sample_reduce_kernel[(rows,)](part_val, part_idx, out, num_chunks, MAX_CHUNKS=MAX_CHUNKS, num_warps=NUM_WARPS)
+    per_chunk, num_chunks = split_vocab(rows, num_tiles, programs)
+    tile_max = torch.empty(rows, num_tiles, dtype=torch.float32, device=logits.device)
+    tile_mass = torch.empty(rows, num_tiles, dtype=torch.float32, device=logits.device)
+    _tile_stats_kernel[(rows, num_chunks)](
+        logits, temperature, tile_max, tile_mass, vocab, logits.stride(0), per_chunk, num_tiles,
+        BLOCK=BLOCK, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    _draw_kernel[(rows,)](
+        logits, temperature, tile_max, tile_mass, out, vocab, logits.stride(0), num_tiles, *_noise_key(seed, step),
+        BLOCK=BLOCK, TILES=triton.next_power_of_2(num_tiles), num_warps=NUM_WARPS,
+    )  # fmt: skip
     return out

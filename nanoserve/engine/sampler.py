@@ -11,9 +11,9 @@ same tokens whatever else is in the batch. Log-probabilities are those of the ra
 distribution (before penalties and temperature), as in OpenAI's API.
 
 Fast path (CUDA): a batch whose rows are all greedy or plain temperature sampling (no
-penalties, masks or seeds) goes through one Triton kernel (sample_kernels.py) that reads
-the logits once in their own dtype and draws Gumbel noise in the kernel, keyed by the
-sampler's seed and a count of its calls. Everything else, and every batch when
+penalties, masks or seeds) goes through two Triton kernels (sample_kernels.py) that read
+the logits once in their own dtype and draw by inverse transform sampling, one uniform
+per row keyed by the sampler's seed and a count of its calls. Everything else, and every batch when
 NANOSERVE_FUSED_SAMPLER=0, takes the torch path above (its slow twin): greedy rows give the
 same tokens on both, sampled rows the same distribution (not the same draws).
 """
@@ -166,7 +166,7 @@ class Sampler:
         self.seed = seed
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.fused = (FUSED_SAMPLER and self.device.type == "cuda") if fused is None else fused
-        self.calls = 0  # the fused kernel's noise offset: a new one for every call
+        self.calls = 0  # keys the fused kernel's uniforms: new ones for every call
         self._plan: _BatchPlan | None = None
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
