@@ -187,6 +187,26 @@ def test_server_tp2_serves_and_exits_when_a_rank_dies(model_dirs):
             srv.proc.wait(10)
 
 
+@pytest.mark.parametrize("teardown", ["abort", "destroy"])
+def test_shutdown_ends_workers_and_groups(model_dirs, teardown, monkeypatch):
+    """Either teardown (process_group.TEARDOWN; the spawned worker reads it from the
+    environment) stops the worker within the grace period and leaves no process group, so
+    the process can start another tensor-parallel engine."""
+    from nanoserve.distributed import process_group
+    from nanoserve.distributed.tp_runner import SHUTDOWN_GRACE_S
+
+    monkeypatch.setenv("NANOSERVE_TP_TEARDOWN", teardown)
+    monkeypatch.setattr(process_group, "TEARDOWN", teardown)
+    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, dist_timeout_s=TIMEOUT_S, **ENGINE)
+    (pid,) = llm.engine.runner.worker_pids
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    started = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - started < SHUTDOWN_GRACE_S
+    assert not _alive(pid)
+    assert not torch.distributed.is_initialized()
+
+
 def test_garbage_collected_llm_stops_its_workers(model_dirs):
     import gc
 

@@ -58,11 +58,14 @@ and when rank 0's sockets close.
 
 Shutdown: `TPModelRunner.shutdown()` (also `LLMEngine.shutdown()` / `LLM.shutdown()`, run
 as well when the runner is garbage-collected and at interpreter exit) broadcasts a
-shutdown header; then every rank drops its CUDA graphs and destroys its process groups at
-the same time (NCCL's teardown may need the peers; rank 0 waits on it at most a grace
-period), and rank 0 joins the workers, killing any still alive after the grace period. After
-a failure rank 0 kills the workers first and then tears down alone. One tensor-parallel
-engine per process at a time.
+shutdown header; then every rank drops its CUDA graphs. By default (TEARDOWN "abort",
+process_group.py) the workers abort their communicators, which is local, and exit; rank 0
+joins them (killing any still alive after a grace period) and then aborts its own groups,
+waiting at most ABORT_GRACE_S. With NANOSERVE_TP_TEARDOWN=destroy every rank destroys its
+groups at the same time instead (NCCL's finalize may need the peers; rank 0 waits at most
+the grace period): on 2 x H200 that took 20.2 s, the abort 2.7 s. After a failure rank 0
+kills the workers first and then tears down alone. One tensor-parallel engine per process
+at a time (a rank-0 teardown that outlived its wait leaves the groups to the process's exit).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import weakref
 from typing import NamedTuple
 
@@ -82,7 +86,7 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.attention.base import AttentionMetadata
-from nanoserve.distributed import SINGLE, TPGroup
+from nanoserve.distributed import SINGLE, TPGroup, process_group
 from nanoserve.distributed.process_group import (
     DistContext,
     cpu_threads_per_rank,
@@ -98,6 +102,7 @@ log = logging.getLogger("nanoserve")
 
 EXECUTE, SHUTDOWN, COPY_PAGES = 1, 2, 3
 SHUTDOWN_GRACE_S = 10.0
+ABORT_GRACE_S = 2.0
 
 
 class StepHeader(NamedTuple):
@@ -289,7 +294,16 @@ class _Runtime:
             return
         told = self.announce_shutdown()
         self.closed = True
-        if told:
+        if told and process_group.TEARDOWN == "abort":
+            # Aborting is local: the workers abort theirs and exit, then this rank aborts its own.
+            # Rank 0's abort has been seen to block (2 x H200; the workers' took under 1 s), so
+            # it is bounded; the groups then stay until this process exits.
+            started = time.monotonic()
+            self.kill_workers(grace_s=SHUTDOWN_GRACE_S)
+            log.info("tensor parallel: workers exited in %.1f s", time.monotonic() - started)
+            if not _within(destroy_distributed, ABORT_GRACE_S):
+                log.warning("tensor parallel: aborting rank 0's groups took over %g s; left to exit", ABORT_GRACE_S)
+        elif told:
             # The workers tear their communicators down now too. Do it at the same time: NCCL's
             # teardown (of buffers registered by captured collectives, say) may need the peers,
             # so destroying only after the workers are gone could wait on them for ever. Bounded,
