@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--peer", choices=["hf"], default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", help="fp8: float8 KV cache (the floor then counts its bytes)")
+    ap.add_argument("--chunked-prefill-size", type=int, default=None, help="prefill token budget per step")
     ap.add_argument("--num-seqs", type=int, default=NUM_SEQS, help="fewer for a smoke run (no total check)")
     args = ap.parse_args()
 
@@ -130,6 +131,7 @@ def main() -> None:
         enforce_eager=args.enforce_eager,
         overlap_schedule=not args.no_overlap,
         kv_cache_dtype=args.kv_cache_dtype,
+        **({"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {}),
     )
     engine = llm.engine
     device = engine.device
