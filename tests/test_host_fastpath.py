@@ -321,7 +321,7 @@ def test_tp_worker_receives_graph_inputs_in_place(model_dir):
     assert h.in_place == 1 and h.graph_bs == 4 and h.num_reqs == 3
     worker.graphs.static.fill_(7)  # stale bytes outside what is sent must not matter
     worker.graphs.page_table.fill_(9)
-    worker.graphs.static[: payload.numel()].copy_(payload)  # the broadcast
+    worker.graphs.step_bytes(h.graph_bs, h.table_width).copy_(payload)  # the broadcast, into what the worker receives
     n = h.host_reqs
     got = worker.graph_step_in_place(h.graph_bs, h.table_width, h.num_reqs, host[n : 2 * n], h.max_seq_len)
     for name in ("input_ids", "positions"):

@@ -95,7 +95,6 @@ from nanoserve.distributed.process_group import (
     init_distributed,
 )
 from nanoserve.distributed.symm_all_reduce import setup_symm_all_reduce
-from nanoserve.engine.cuda_graph import decode_layout
 from nanoserve.engine.model_runner import ForwardInputs, KVPlan
 
 log = logging.getLogger("nanoserve")
@@ -545,7 +544,7 @@ class TPModelRunner:
             host = msg[HEADER_LEN : HEADER_LEN + 2 * h.host_reqs].tolist()
             if h.in_place:  # straight into the graphs' static inputs: nothing to copy there
                 width, n = h.table_width, h.host_reqs
-                dist.broadcast(self.local.graphs.static[: decode_layout(h.graph_bs, width).nbytes], 0)
+                dist.broadcast(self.local.graphs.step_bytes(h.graph_bs, width), 0)
                 inputs = self.local.graph_step_in_place(h.graph_bs, width, h.num_reqs, host[n : 2 * n], h.max_seq_len)
             else:
                 payload = torch.empty(sum(payload_size(h)), dtype=torch.int32, device=ctx.device)

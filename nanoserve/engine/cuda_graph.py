@@ -124,6 +124,12 @@ class DecodeGraphs:
             views = self._views[(bs, cascade)] = decode_layout(bs, 0, cascade).torch_views(self.static)
         return views
 
+    def step_bytes(self, bs: int, width: int) -> torch.Tensor:
+        """The prefix of `static` that a decode step of graph bs with a `width`-column page
+        table (cascade off) is packed into: what a tensor-parallel rank 0 sends of it and a
+        worker receives into its own."""
+        return self.static[: decode_layout(bs, width).nbytes]
+
     def staged_page_table(self, layout: PackedLayout, bs: int, width: int) -> torch.Tensor:
         """Graph bs's page table [bs, width], filled from the table a step packed into `static`
         (laid out by `layout`): the one field that does not lie where the graph reads it."""

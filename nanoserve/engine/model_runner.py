@@ -242,7 +242,7 @@ class ModelRunner:
             return None
         if inputs.input_ids.data_ptr() != g.views(bs)["input_ids"].data_ptr():
             return None
-        return g.static[: decode_layout(bs, inputs.meta.page_table.shape[1]).nbytes]
+        return g.step_bytes(bs, inputs.meta.page_table.shape[1])
 
     def graph_step_in_place(self, bs: int, width: int, n: int, prefix_host: list[int], max_seq: int) -> ForwardInputs:
         """Tensor-parallel workers: the inputs of a decode step whose packed fields (rank 0's

@@ -60,7 +60,6 @@ MAX_CHUNKS = 8 if INTERPRET else 256
 # Programs the chunk split aims for, per SM (a batch of 256 rows gets 5 chunks per row on
 # 132 SMs; a single row gets one chunk per tile).
 PROGRAMS_PER_SM = 8
-LOG2E = 1.4426950408889634
 _num_sms: dict[int, int] = {}
 
 
