@@ -16,6 +16,7 @@ decode steps of the context length x KV bytes per token.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import time
 
@@ -106,6 +107,53 @@ def run_hf_peer(model_name: str, prompts, mean_new: int, dtype, device) -> tuple
     return elapsed, produced
 
 
+class GCTimer:
+    """Time the garbage collector spends in collections, by generation, since the last read
+    (gc.callbacks: a collection's start and stop)."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.counts = [0, 0, 0]
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._started
+            self.counts[info["generation"]] += 1
+
+    def read(self) -> str:
+        text = ", ".join(f"gen{g} {n} x {1e3 * s:.1f} ms" for g, (n, s) in enumerate(zip(self.counts, self.seconds)))
+        self.seconds, self.counts = [0.0, 0.0, 0.0], [0, 0, 0]
+        return text
+
+
+def timed_run(llm: LLM, prompts, params) -> tuple[list, float]:
+    """One timed pass of the workload, the engine's host counters reset before it."""
+    engine = llm.engine
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    engine.gpu_wait_s = engine.step_s = 0.0
+    engine.num_steps = 0
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return outs, time.perf_counter() - started
+
+
+def run_breakdown(engine, elapsed: float, gc_timer: GCTimer) -> str:
+    """Where a run's wall time went on the host: waiting for the GPU (GPU-bound), the rest
+    of the engine's steps, outside them, and the garbage collector."""
+    busy = engine.step_s - engine.gpu_wait_s
+    return (
+        f"elapsed {elapsed:.2f} s = host waiting for the GPU {engine.gpu_wait_s:.2f} s + other step work {busy:.2f} s "
+        f"({engine.num_steps} steps) + outside steps {elapsed - engine.step_s:.2f} s; collector: {gc_timer.read()}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -119,6 +167,7 @@ def main() -> None:
     ap.add_argument(
         "--repeat", type=int, default=1, help="time the workload this many times in the process; the last is reported"
     )
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the warm-up (A/B for the spread)")
     args = ap.parse_args()
 
     prompts, max_tokens = workload()
@@ -141,26 +190,25 @@ def main() -> None:
     bw = copy_bandwidth(device)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     warm_up(llm, prompts)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()  # the engine's long-lived objects leave the collector's scans
+    gc_timer = GCTimer()
     for run in range(1, args.repeat):  # earlier runs: is a process's first run slower than its later ones?
-        started = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _, elapsed = timed_run(llm, prompts, params)
         print(
-            f"run {run} of {args.repeat}: {total_out / (time.perf_counter() - started):,.0f} output tok/s", flush=True
+            f"run {run} of {args.repeat}: {total_out / elapsed:,.0f} output tok/s; {run_breakdown(engine, elapsed, gc_timer)}",
+            flush=True,
         )
         if engine.prefix_cache is not None:
             engine.prefix_cache.reset()  # the next run must not reuse these prompts' KV
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        torch.cuda.synchronize(device)
-    engine.gpu_wait_s = engine.step_s = 0.0
-    engine.num_steps = 0
-    started = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - started
+    outs, elapsed = timed_run(llm, prompts, params)
+    if args.repeat > 1:
+        print(
+            f"run {args.repeat} of {args.repeat}: {total_out / elapsed:,.0f} output tok/s; {run_breakdown(engine, elapsed, gc_timer)}"
+        )
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == total_out, (produced, total_out)
 
