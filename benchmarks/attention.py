@@ -194,7 +194,7 @@ def workload_batches(every: int = 100) -> list[list[int]]:
     return [[p + step + 1 for p, o in zip(prompts, outputs) if o > step] for step in range(0, 1024, every)]
 
 
-def ragged_sweep(gen, ceiling: float, hq: int) -> None:
+def ragged_sweep(gen, ceiling: float, hq: int, configs: list[tuple[int, int, int]] | None = None) -> None:
     """Launch configs on the offline workload's ragged decode batches: the sum of one layer's
     decode attention time over steps 0, 100, ..., 1000, and the same batches with the
     requests ordered longest first (do long programs finishing last cost time?)."""
@@ -217,9 +217,10 @@ def ragged_sweep(gen, ceiling: float, hq: int) -> None:
     total(batches, f"config {tk.DECODE_CONFIG}")
     total([sorted(lens, reverse=True) for lens in batches], "requests sorted by length, longest first")
     base = dict(tk.DECODE_CONFIG)
-    configs = [(128, 4, 2), (128, 4, 3), (64, 4, 4), (128, 4, 4), (256, 4, 2)]
-    if KV_DT.itemsize == 1:  # BLOCK_N is doubled for fp8 caches: these are 64-256 token blocks
+    if not configs and KV_DT.itemsize == 1:  # BLOCK_N is doubled for fp8 caches: these are 64-256 token blocks
         configs = [(64, 8, 3), (64, 8, 4), (128, 8, 3), (32, 4, 3), (64, 4, 4), (64, 4, 2), (32, 8, 3)]
+    elif not configs:
+        configs = [(128, 4, 2), (128, 4, 3), (64, 4, 4), (128, 4, 4), (256, 4, 2)]
     for block_n, warps, stages in configs:
         tk.DECODE_CONFIG.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
         try:
@@ -236,6 +237,9 @@ def main() -> None:
     parser.add_argument("--ragged", action="store_true", help="only the ragged-batch config sweep")
     parser.add_argument("--hq", type=int, default=16, help="query heads for --ragged (16: qwen3-0.6b)")
     parser.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="decode caches' dtype")
+    parser.add_argument(
+        "--configs", nargs="*", default=None, help="--ragged: BLOCK_N,warps,stages triples to time (default: a set)"
+    )
     args = parser.parse_args()
     global KV_DT
     KV_DT = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
@@ -245,7 +249,8 @@ def main() -> None:
     ceiling = copy_ceiling()
     print(f"copy ceiling: {ceiling:.2f} TB/s", flush=True)
     if args.ragged:
-        ragged_sweep(gen, ceiling, args.hq)
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] if args.configs else None
+        ragged_sweep(gen, ceiling, args.hq, configs)
         return
     if args.sweep:
         sweep(gen, ceiling)
