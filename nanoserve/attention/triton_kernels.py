@@ -66,6 +66,11 @@ DOT_F32 = INTERPRET
 # layer instead of 8.5-8.6 (H200, benchmarks/profile_decode.py --min-split-tokens 256 64:
 # batch-1 decode step 1.109 -> 1.021 ms on qwen3-0.6b, 4.478 -> 4.327 ms on llama-3.1-8b).
 MIN_SPLIT_TOKENS = 16 if INTERPRET else 64
+# Decode programs in launch order: all kv heads of a request next to each other (grid axis 0
+# = kv head), so the heads' programs run at the same time and read each token's cache row
+# (kv heads x head_dim, contiguous) together, or one head of every request first. A/B:
+# NANOSERVE_DECODE_HEADS_FIRST.
+DECODE_HEADS_FIRST = os.environ.get("NANOSERVE_DECODE_HEADS_FIRST", "1") == "1"
 
 
 def _stages(cfg: dict[str, int], x: torch.Tensor) -> int:
@@ -264,7 +269,7 @@ def _decode_split_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_SPLIT: tl.constexpr, DIRECT: tl.constexpr, HAS_START: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
     pdl_start(USE_PDL)  # launched early (nanoserve/triton_pdl.py): wait before reading anything
 
@@ -272,8 +277,8 @@ def _decode_split_kernel(
     # are the rows of one tile, so each K/V block is loaded once for the whole group.
     # With HAS_START (cascade), a request's positions before kv_start[b] are another
     # kernel's (its group's shared prefix): the splits cover kv_start[b]..seq_len only.
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    b = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
+    kvh = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     kv_start = tl.load(kv_start_ptr + b) if HAS_START else 0
@@ -403,7 +408,8 @@ def paged_decode(
         assert workspace.numel() >= n_part + n_lse, "decode workspace too small"
         part, lse = workspace[:n_part], workspace[n_part : n_part + n_lse]
     kv_start = cascade.prefix_len if cascade is not None else seq_lens  # unused without cascade
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, batch, num_splits) if DECODE_HEADS_FIRST else (batch, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, page_table, seq_lens, kv_start,
         out, part, lse,
         q.stride(0), q.stride(1),
@@ -414,7 +420,8 @@ def paged_decode(
         NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct, HAS_START=cascade is not None,
-        DOT_F32=DOT_F32, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache), **launch_options(q.device),
+        DOT_F32=DOT_F32, HEADS_FIRST=DECODE_HEADS_FIRST, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
+        **launch_options(q.device),
     )  # fmt: skip
     if cascade is not None:
         assert cascade.items.shape[1] == len(ITEM_FIELDS)
