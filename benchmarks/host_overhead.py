@@ -19,6 +19,11 @@ times: `--count-ops` counts the torch ops of a decode step instead.
 
     python benchmarks/host_overhead.py [--output-scale 1.0] [--profile] [--count-ops] [--no-graphs]
 
+`--model qwen3-0.6b` times the same phases on the real engine instead (dummy weights, the
+default device): on a GPU that is the offline benchmark itself, and `gpu wait` (the host
+blocked on a step's sampled tokens, inside `process`) gets its own column, so the table
+shows how much host work each step kind costs next to the GPU's time.
+
 Phases (mean ms per step, decode and prefill steps apart): schedule (Scheduler.schedule),
 prepare (ModelRunner.prepare), execute (the forward call: graph buffer copies + the stub),
 sample (Sampler.sample), launch rest (the rest of LLMEngine._launch: step accounting, forks,
@@ -49,7 +54,7 @@ from nanoserve.engine.cuda_graph import DecodeGraphs
 
 NUM_SEQS = 256
 VOCAB = 16  # small: the CPU-side sampling compute must not hide the host overhead
-PHASES = ("schedule", "prepare", "execute", "sample", "launch rest", "process", "step rest", "outputs")
+PHASES = ("schedule", "prepare", "execute", "sample", "launch rest", "process", "gpu wait", "step rest", "outputs")
 
 
 def workload(output_scale: float) -> tuple[list[list[int]], list[int]]:
@@ -161,6 +166,7 @@ class PhaseTimer:
         self.current: dict[str, float] = defaultdict(float)
         self.steps: list[tuple[str, int, dict[str, float]]] = []  # (kind, batch size, phases)
         self.kind = ("idle", 0)
+        self._wrapped: list[tuple[object, str]] = []
 
     def wrap(self, obj, name: str, phase: str, on_result=None) -> None:
         fn = getattr(obj, name)
@@ -175,6 +181,13 @@ class PhaseTimer:
             return out
 
         setattr(obj, name, timed)
+        self._wrapped.append((obj, name))
+
+    def uninstall(self) -> None:
+        """Drop the wrappers (instance attributes over the class's methods)."""
+        for obj, name in self._wrapped:
+            delattr(obj, name)
+        self._wrapped = []
 
     def install(self, llm: LLM) -> None:
         engine = llm.engine
@@ -194,13 +207,15 @@ class PhaseTimer:
         def timed_step():
             self.end_step()
             self.kind = ("idle", 0)
-            t = time.perf_counter()
+            t, waited = time.perf_counter(), engine.gpu_wait_s
             out = step()
             self.current["_step"] = time.perf_counter() - t
+            self.current["gpu wait"] = engine.gpu_wait_s - waited  # inside _process, on a GPU
             self._last_step_end = time.perf_counter()
             return out
 
         engine.step = timed_step
+        self._wrapped.append((engine, "step"))
         self._last_step_end = None
 
     def end_step(self) -> None:
@@ -211,7 +226,8 @@ class PhaseTimer:
         c["outputs"] = time.perf_counter() - self._last_step_end
         launch_rest = c.pop("_launch", 0.0) - c["prepare"] - c["execute"] - c["sample"]
         step_rest = c.pop("_step") - c["schedule"] - (launch_rest + c["prepare"] + c["execute"] + c["sample"])
-        step_rest -= c["process"]
+        c["process"] -= c["gpu wait"]
+        step_rest -= c["process"] + c["gpu wait"]
         c["launch rest"], c["step rest"] = launch_rest, step_rest
         self.steps.append((*self.kind, dict(c)))
         self.current = defaultdict(float)
@@ -250,6 +266,16 @@ def build(args, kv_tokens: int) -> LLM:
     return llm
 
 
+def build_real(model: str, prompts: list[list[int]]) -> LLM:
+    """The offline benchmark's engine: a bundled config with dummy weights on the default
+    device (CUDA: real forward, decode graphs, Triton kernels), warmed up as that benchmark does."""
+    import offline_throughput
+
+    llm = LLM(model, load_format="dummy", max_model_len=4096)
+    offline_throughput.warm_up(llm, prompts)
+    return llm
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--output-scale", type=float, default=1.0, help="multiply every max_tokens by this")
@@ -259,15 +285,36 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also run cProfile and print the top functions")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--count-ops", action="store_true", help="count torch ops in the decode steps at batch >= 200")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="time the real engine instead (a bundled config, dummy weights, the default device: on a GPU the "
+        "offline benchmark itself, with its GPU wait in its own column); the tiny-model flags do not apply",
+    )
     args = ap.parse_args()
-    torch.set_num_threads(1)
 
-    prompts, max_tokens = workload(args.output_scale)
+    if args.model:
+        import offline_throughput
+
+        prompts, max_tokens = offline_throughput.workload()
+        max_tokens = [max(1, round(m * args.output_scale)) for m in max_tokens]
+        llm = build_real(args.model, prompts)
+
+        def fresh() -> LLM:  # one engine (GPU memory): the same one, its prefix cache emptied
+            if llm.engine.prefix_cache is not None:
+                llm.engine.prefix_cache.reset()
+            return llm
+    else:
+        torch.set_num_threads(1)
+        prompts, max_tokens = workload(args.output_scale)
+        kv_tokens = sum(map(len, prompts)) + sum(max_tokens) + 64 * NUM_SEQS
+        llm = build(args, kv_tokens)
+
+        def fresh() -> LLM:  # a fresh prefix cache, no timers
+            return build(args, kv_tokens)
+
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
-    kv_tokens = sum(map(len, prompts)) + sum(max_tokens) + 64 * NUM_SEQS
-    llm = build(args, kv_tokens)
     engine = llm.engine
-
     timer = PhaseTimer()
     timer.install(llm)
     started = time.perf_counter()
@@ -277,20 +324,27 @@ def main() -> None:
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(max_tokens), (produced, sum(max_tokens))
     engine.check_invariants()
+    what = (
+        f"{args.model} on {engine.device}"
+        if args.model
+        else f"graphs {'off' if args.no_graphs else 'on (no-op replay)'}, prefix cache "
+        f"{'off' if args.no_prefix_cache else 'on'}"
+    )
     print(
         f"host_overhead: {NUM_SEQS} seqs, {sum(map(len, prompts))} prompt + {produced} output tokens "
-        f"(output scale {args.output_scale}), graphs {'off' if args.no_graphs else 'on (no-op replay)'}, "
-        f"overlap {'on' if engine.overlap else 'off'}, prefix cache {'off' if args.no_prefix_cache else 'on'}, "
+        f"(output scale {args.output_scale}), {what}, overlap {'on' if engine.overlap else 'off'}, "
         f"torch {torch.__version__}, {os.cpu_count()} CPUs"
     )
     print(f"{len(timer.steps)} steps in {elapsed:.2f} s ({1e3 * elapsed / max(len(timer.steps), 1):.3f} ms per step)")
     summarize(timer, min_decode_bs=200)
+    if args.model:
+        timer.uninstall()
 
     if args.count_ops:
-        count_ops(build(args, kv_tokens), prompts, params, min_decode_bs=200)
+        count_ops(fresh(), prompts, params, min_decode_bs=200)
 
     if args.profile:
-        llm = build(args, kv_tokens)  # a fresh prefix cache, no timers
+        llm = fresh()
         profiler = cProfile.Profile()
         profiler.enable()
         llm.generate(prompts, params, use_tqdm=False)
