@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU (gloo): TP=2 against TP=1 on tiny models of every
-architecture, chunked prefill and the prefix cache on, simple and overlap loops; a dead or
+architecture, chunked prefill and the prefix cache on, simple and overlap loops; TP=4 (kv
+heads replicated on two ranks each) against TP=1; a dead or
 hung worker rank makes rank 0 fail with a clear error within the collective timeout; the
 server with --tp 2. Without processes: the step message packs and unpacks to the same
 inputs, row-parallel partial sums kept in fp32 round like TP=1's matmul, partial sums summed
@@ -92,6 +93,27 @@ def test_tp2_greedy_matches_tp1(model_dirs, arch):
         tp2.shutdown()
     assert len(pids) == 1
     assert not _alive(pids[0])
+
+
+def test_tp4_greedy_matches_tp1(model_dirs):
+    # Four ranks over 2 kv heads: each kv head is replicated on two ranks, the vocabulary is
+    # split four ways. Simple and overlap loops.
+    prompts = random_prompts(6, seed=5, min_len=5, max_len=60)
+    tp1 = LLM(str(model_dirs["llama"]), **ENGINE)
+    want = _tokens(tp1.generate(prompts, GREEDY, use_tqdm=False))
+    del tp1
+    tp4 = LLM(str(model_dirs["llama"]), tensor_parallel_size=4, dist_timeout_s=60, **ENGINE)
+    try:
+        got = [_tokens(tp4.generate(prompts, GREEDY, use_tqdm=False))]
+        tp4.engine.overlap = True
+        got.append(_tokens(tp4.generate(prompts, GREEDY, use_tqdm=False)))
+        assert got == [want, want]
+        _assert_idle_and_no_leak(tp4)
+        pids = tp4.engine.runner.worker_pids
+    finally:
+        tp4.shutdown()
+    assert len(pids) == 3
+    assert not any(_alive(pid) for pid in pids)
 
 
 def _alive(pid: int) -> bool:
