@@ -47,6 +47,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
+from offline_throughput import GCTimer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanoserve import LLM, SamplingParams
@@ -317,6 +318,7 @@ def main() -> None:
     engine = llm.engine
     timer = PhaseTimer()
     timer.install(llm)
+    gc_timer = GCTimer()  # collections land in whichever phase allocates: shown apart
     started = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - started
@@ -337,6 +339,7 @@ def main() -> None:
     )
     print(f"{len(timer.steps)} steps in {elapsed:.2f} s ({1e3 * elapsed / max(len(timer.steps), 1):.3f} ms per step)")
     summarize(timer, min_decode_bs=200)
+    print(f"garbage collector during the run (inside the phases above): {gc_timer.read()}")
     if args.model:
         timer.uninstall()
 
