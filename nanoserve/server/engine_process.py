@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 import logging
 import os
@@ -95,6 +96,13 @@ def engine_main(
         ctx.term()
         sys.exit(1)
     push.send(payload)
+    # The startup heap (torch, transformers, the engine's own long-lived objects: hundreds of
+    # thousands) would otherwise be scanned by every full collection, a pause of ~100-200 ms in
+    # the step loop (measured on CPU: 97 ms, and 0.15 ms once frozen). The engine lives as
+    # long as this process, so nothing frozen here needs collecting later.
+    gc.collect()
+    gc.freeze()
+    logger.info("%d startup objects moved out of the garbage collector's scans", gc.get_freeze_count())
 
     code = 0
     try:
