@@ -10,12 +10,15 @@
   replay of inputs prepared elsewhere (another rank's) copies them in correctly.
 - `stream=False` reports each sample once, finished, with the tokens streaming reports.
 - The sampler's per-batch plan cache gives what a fresh plan gives.
+- An engine with decode graphs is freed by `del`, without the garbage collector.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import random
+import weakref
 
 import numpy as np
 import pytest
@@ -133,8 +136,8 @@ class _EagerGraph:
     """Stands in for the captured graph of size bs (with cascade kernels or not): runs the
     eager forward on the static inputs (what the graph captured) and writes the static output."""
 
-    def __init__(self, graphs: DecodeGraphs, bs: int, cascade: bool):
-        self.graphs, self.bs, self.cascade = graphs, bs, cascade
+    def __init__(self, graphs: DecodeGraphs, runner, bs: int, cascade: bool):
+        self.graphs, self.runner, self.bs, self.cascade = graphs, runner, bs, cascade
 
     def replay(self) -> None:
         g = self.graphs
@@ -143,7 +146,7 @@ class _EagerGraph:
         # (length 0) still holds one query in a decode batch: prefix -1 says so (a real
         # decode row has prefix == seq_len - 1 already).
         inputs.meta = dataclasses.replace(inputs.meta, prefix_lens=inputs.meta.seq_lens - 1)
-        g.outputs[(self.bs, self.cascade)].copy_(g.runner.forward_logits(inputs))
+        g.outputs[(self.bs, self.cascade)].copy_(self.runner.forward_logits(inputs))
 
 
 def emulate_graphs(llm: LLM, max_bs: int) -> DecodeGraphs:
@@ -153,10 +156,29 @@ def emulate_graphs(llm: LLM, max_bs: int) -> DecodeGraphs:
         for cascade in (False, True) if g.has_cascade(bs) else (False,):
             with torch.inference_mode():  # as in `capture`: views made there are inference views
                 g.views(bs, cascade)
-            g.graphs[(bs, cascade)] = _EagerGraph(g, bs, cascade)
+            g.graphs[(bs, cascade)] = _EagerGraph(g, runner, bs, cascade)
             g.outputs[(bs, cascade)] = torch.zeros(bs, runner.model.config.vocab_size)
     runner.graphs = g
     return g
+
+
+def test_engine_with_graphs_freed_without_the_collector(model_dir):
+    # The runner owns its decode graphs and they keep no reference back to it: deleting the
+    # LLM frees the engine at once (on a GPU: its KV cache and graph memory pool), not at the
+    # next cyclic collection, which an engine process's frozen heap may never run.
+    llm = LLM(str(model_dir), device="cpu")
+    llm.generate(random_prompts(4, seed=7, min_len=3, max_len=20), SamplingParams(max_tokens=5), use_tqdm=False)
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner, 4, llm.engine.max_model_len)  # static buffers, nothing captured
+    refs = [weakref.ref(o) for o in (llm.engine, runner, runner.graphs, runner.kv_cache)]
+    del runner
+    gc.disable()
+    try:
+        del llm
+        alive = [r() is not None for r in refs]
+    finally:
+        gc.enable()
+    assert not any(alive), alive
 
 
 def make_llm(model_dir, overlap: bool, graphs_bs: int = 0, **kw) -> LLM:

@@ -85,7 +85,8 @@ def default_max_bs(device: torch.device, max_num_seqs: int) -> int:
 
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, max_bs: int, max_seq_len: int, cascade: bool = False):
-        self.runner = runner
+        # `runner` is not kept: it owns these graphs, and a reference back would make the pair a
+        # cycle that only the garbage collector frees (with the KV cache behind it).
         self.max_bs = max_bs
         self.max_seq_len = max_seq_len
         self.sizes = graph_batch_sizes(max_bs)
@@ -157,8 +158,8 @@ class DecodeGraphs:
         return ForwardInputs(v["input_ids"], v["positions"], meta, None)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        runner = self.runner
+    def capture(self, runner: ModelRunner) -> None:
+        """Capture every graph by running `runner`'s forward on the static inputs."""
         dev = runner.device
         cfg = runner.model.config
         attn = runner.model.layers[0].self_attn

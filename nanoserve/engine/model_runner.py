@@ -135,7 +135,7 @@ class ModelRunner:
         max_bs = default_max_bs(self.device, cfg.max_num_seqs) if max_bs is None else min(max_bs, cfg.max_num_seqs)
         max_bs = tp.agree_min(max_bs, self.device)
         self.graphs = DecodeGraphs(self, max_bs, max_model_len, cascade=self.cascade_members > 0)
-        self.graphs.capture()
+        self.graphs.capture(self)
 
     @torch.inference_mode()  # writes into graph buffers whose views were made in inference mode
     def prepare(self, batch: ScheduledBatch, sample_rows: list[int]) -> ForwardInputs:
