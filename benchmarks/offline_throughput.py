@@ -150,7 +150,9 @@ def run_breakdown(engine, elapsed: float, gc_timer: GCTimer) -> str:
     busy = engine.step_s - engine.gpu_wait_s
     return (
         f"elapsed {elapsed:.2f} s = host waiting for the GPU {engine.gpu_wait_s:.2f} s + other step work {busy:.2f} s "
-        f"({engine.num_steps} steps) + outside steps {elapsed - engine.step_s:.2f} s; collector: {gc_timer.read()}"
+        f"({engine.num_steps} steps, {1e3 * busy / max(engine.num_steps, 1):.3f} ms each: schedule, prepare, launch, "
+        f"process; on CPU also the compute) + outside steps {elapsed - engine.step_s:.2f} s (LLM.generate); "
+        f"collector: {gc_timer.read()}"
     )
 
 
@@ -194,7 +196,7 @@ def main() -> None:
         gc.collect()
         gc.freeze()  # the engine's long-lived objects leave the collector's scans
     gc_timer = GCTimer()
-    for run in range(1, args.repeat):  # earlier runs: is a process's first run slower than its later ones?
+    for run in range(1, args.repeat):  # earlier runs (the last is reported in full below)
         _, elapsed = timed_run(llm, prompts, params)
         print(
             f"run {run} of {args.repeat}: {total_out / elapsed:,.0f} output tok/s; {run_breakdown(engine, elapsed, gc_timer)}",
@@ -205,10 +207,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     outs, elapsed = timed_run(llm, prompts, params)
-    if args.repeat > 1:
-        print(
-            f"run {args.repeat} of {args.repeat}: {total_out / elapsed:,.0f} output tok/s; {run_breakdown(engine, elapsed, gc_timer)}"
-        )
+    host = run_breakdown(engine, elapsed, gc_timer)  # now: the collector's count must end with the run
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == total_out, (produced, total_out)
 
@@ -232,16 +231,7 @@ def main() -> None:
         f"graphs {'off' if graphs is None else f'1..{graphs.max_bs} ({graphs.capture_seconds:.1f} s, {graphs.memory_bytes / 2**30:.2f} GiB)'}, "
         f"overlap {'on' if engine.overlap else 'off'}"
     )
-    print(
-        f"host waited {engine.gpu_wait_s:.2f} s of {elapsed:.2f} s for sampled tokens (small: the host is the bottleneck)"
-    )
-    busy = engine.step_s - engine.gpu_wait_s
-    print(
-        f"host time: {engine.num_steps} engine steps, {busy:.2f} s in them besides that wait (schedule, prepare, "
-        f"launch, process; on CPU also the compute) "
-        f"({1e3 * busy / max(engine.num_steps, 1):.3f} ms per step), {engine.gpu_wait_s:.2f} s waiting for the GPU, "
-        f"{elapsed - engine.step_s:.2f} s outside engine.step (LLM.generate: prompts, outputs)"
-    )
+    print(f"host: {host}")
     print(
         f"elapsed {elapsed:.2f} s | output {total_out / elapsed:,.0f} tok/s | total {(total_prompt + total_out) / elapsed:,.0f} tok/s"
     )
