@@ -96,10 +96,10 @@ def engine_main(
         ctx.term()
         sys.exit(1)
     push.send(payload)
-    # The startup heap (torch, transformers, the engine's own long-lived objects: hundreds of
-    # thousands) would otherwise be scanned by every full collection, a pause of ~100-200 ms in
-    # the step loop (measured on CPU: 97 ms, and 0.15 ms once frozen). The engine lives as
-    # long as this process, so nothing frozen here needs collecting later.
+    # The startup heap (torch, transformers, the engine's own long-lived objects: ~200k) would
+    # otherwise be scanned by every full collection, a pause in the step loop (a process
+    # holding LLM() on CPU: 126 ms, 0.01 ms once frozen; benchmarks/RESULTS.md). The engine
+    # lives as long as this process, so nothing frozen here needs collecting later.
     gc.collect()
     gc.freeze()
     logger.info("%d startup objects moved out of the garbage collector's scans", gc.get_freeze_count())
