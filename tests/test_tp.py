@@ -458,6 +458,30 @@ def test_symm_protocol_rule():
     assert not uses_ll("ll", 1, width=4095)  # an odd bf16 row: not whole words
 
 
+def test_symm_push_offer_rule(monkeypatch):
+    """The matmul is offered the LL send only for one-row LL sums of 2-byte partials, and a
+    slot's new partials void any earlier offer (else a later sum would skip its send: a hang)."""
+    from nanoserve.distributed import symm_all_reduce
+    from nanoserve.distributed.symm_all_reduce import SymmAllReduce
+
+    max_bytes = 2**20
+    buf = torch.zeros(SymmAllReduce.buffer_bytes(max_bytes, 2), dtype=torch.uint8)
+    monkeypatch.setattr(SymmAllReduce, "_slot_of", lambda self, x: 0)  # as if x were slot 0's view
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has none
+
+    def offer(protocol="auto", rows=1, dtype=torch.bfloat16):
+        symm = SymmAllReduce(buf, [buf.data_ptr()] * 2, 1, max_bytes, protocol)
+        return symm, symm.ll_push(torch.zeros(rows, 4096, dtype=dtype))
+
+    symm, push = offer()
+    assert push is not None and push.rank == 1 and push.dst_addrs is symm.ll_dst_addrs[0] and not push.sent
+    assert symm.partial_out(1, 4096, torch.bfloat16, 0) is None and not symm._pushes  # voided
+    assert offer(rows=2)[1] is None and offer(dtype=torch.float32)[1] is None and offer("pull")[1] is None
+    assert offer()[0].ll_push(None) is None
+    monkeypatch.setattr(symm_all_reduce, "PUSH_IN_MATMUL", False)
+    assert offer()[1] is None
+
+
 def _interpreted_rank_call(rank, parts, flags, epochs, residual, weight, eps):
     """One fused call as rank `rank` of len(parts), its peers simulated by plain tensors:
     parts[q] is rank q's slot holding its partials."""
@@ -550,6 +574,54 @@ def test_ll_all_reduce_rms_norm_kernel_interpreted(rank, dtype):
     out, total = ll_all_reduce_rms_norm(parts[rank], dst, recv, epochs, rank, None, weight, eps)
     assert total.dtype == weight.dtype and torch.equal(total.float(), parts[0].float() + parts[1].float())
     torch.testing.assert_close(out.float(), rms_norm_plain(total.float(), weight.float(), eps), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter (conftest sets it without a GPU)"
+)
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("block_n", [2, 4])
+def test_one_row_matmul_pushes_its_words_interpreted(rank, block_n):
+    """The one-row fma matmul with a push, in Triton's interpreter as rank `rank` of 2: it
+    stores its result locally and, as LL words under the next call's count, into the peer's
+    receive buffer, leaving the counts alone; the LL sum told `sent` then stores nothing
+    itself and sums as usual. Integer-valued bf16 operands: exact products."""
+    from nanoserve.models.layers import add_rms_norm_plain
+    from nanoserve.models.triton_ops import LinearConfig, can_push, ll_all_reduce_rms_norm, small_m_linear
+
+    gen = torch.Generator().manual_seed(10 + rank)
+    n, k, eps, peer = 48, 64, 1e-6, 1 - rank
+    config = LinearConfig("fma", 1, block_n, 32, num_warps=2)
+    assert can_push(config, 1, torch.bfloat16) and not can_push(config, 2, torch.bfloat16)
+    assert not can_push(config, 1, torch.float32)
+    epochs = torch.zeros(4, dtype=torch.int64)
+    epochs[0] = 6  # five earlier fused calls, as in a running engine
+    recv = torch.zeros(2, n, dtype=torch.int64)
+    peer_recv = torch.zeros_like(recv)
+    dst = torch.zeros(2, dtype=torch.int64)
+    dst[peer] = peer_recv[rank].data_ptr()
+    x = torch.randint(-1, 2, (1, k), generator=gen).bfloat16()  # |products summed| <= 64: exact
+    w = torch.randint(-1, 2, (n, k), generator=gen).bfloat16()
+    part = torch.empty(1, n, dtype=torch.bfloat16)
+    small_m_linear(x, w, None, config, out=part, push=(dst, epochs, rank))
+    assert torch.equal(part, (x.float() @ w.float().T).bfloat16())
+    assert torch.equal(peer_recv[rank, : n // 2], _words(part, 7)) and epochs[0] == 6
+    assert not peer_recv[peer].any()
+
+    peer_recv.zero_()
+    recv.zero_()
+    peer_part = torch.randint(-20, 20, (1, n), generator=gen).bfloat16()
+    recv[peer, : n // 2] = _words(peer_part, 7)
+    residual = torch.randint(-20, 20, (1, n), generator=gen).bfloat16()
+    weight = torch.ones(n, dtype=torch.bfloat16)
+    out, total = ll_all_reduce_rms_norm(part, dst, recv, epochs, rank, residual, weight, eps, sent=True)
+    parts = (part, peer_part) if rank == 0 else (peer_part, part)
+    want_out, want_total = add_rms_norm_plain(
+        parts[0].float() + parts[1].float(), residual.float(), weight.float(), eps
+    )
+    assert torch.equal(total.float(), want_total) and epochs[0] == 7
+    torch.testing.assert_close(out.float(), want_out, rtol=1e-2, atol=1e-2)
+    assert not peer_recv.any() and not recv[rank].any()  # sent by the matmul: the sum stored nothing
 
 
 def test_row_parallel_partials_sum_in_the_norm():
@@ -670,6 +742,38 @@ def _symm_rank(rank: int, world: int, addr: str) -> None:
                     want = nccl_twin(src, res)
                     check(got, want, (dtype, "graph"))
                     res = want[1]
+        # one row, as batch-1 decode: the matmul writing the partials sends them itself (o_proj-
+        # and down-like shapes, both slots), the sum only waits; ranks skewed as above
+        from nanoserve.models.layers import linear
+
+        weights = [(torch.randn(hidden, k, generator=shared, device=device) / 32).bfloat16() for k in (2048, 1024)]
+        xs = [torch.zeros(1, w.shape[1], dtype=torch.bfloat16, device=device) for w in weights * 2]
+        residual = torch.zeros(1, hidden, dtype=torch.bfloat16, device=device)
+        torch.cuda.synchronize(device)
+        graph, outs, snaps = torch.cuda.CUDAGraph(), [], []
+        with torch.cuda.graph(graph):
+            res = residual
+            for j, x in enumerate(xs):
+                if j % 3 == rank:
+                    torch.cuda._sleep(20000)
+                part = tp.partial_out(1, hidden, torch.bfloat16, j % 2)
+                push = tp.ll_push(part)
+                assert (push is not None) == symm.uses_ll(part)  # pull: nothing to push
+                linear(x, weights[j % 2], out=part, push=push)
+                assert push is None or push.sent, "the one-row matmul did not take the push"
+                snaps.append(part.clone())
+                outs.append(tp.reduce_rms_norm(part, res, weight, eps))
+                res = outs[-1][1]
+        for _ in range(20):
+            for x in xs:
+                x.copy_(torch.randn(x.shape, generator=g, device=device))
+            residual.copy_(torch.randn(1, hidden, generator=shared, device=device))
+            graph.replay()
+            res = residual
+            for snap, got in zip(snaps, outs, strict=True):
+                want = nccl_twin(snap, res)
+                check(got, want, "one row, pushed by the matmul")
+                res = want[1]
         assert tp.partial_out(8, hidden, torch.bfloat16, 0) is None  # eager: NCCL
         dist.barrier()
     finally:
@@ -682,7 +786,8 @@ def test_fused_all_reduce_rms_norm_matches_nccl_on_gpus(protocol, monkeypatch):
     """The fused all-reduce + residual add + RMSNorm over symmetric memory against NCCL's
     all-reduce followed by rms_norm, on random bf16 and fp32 partials (1..256 x 4096): the
     same bits, the same on every rank, eagerly and replayed 20 times from a CUDA graph of 8
-    chained calls over both slots with the ranks skewed."""
+    chained calls over both slots with the ranks skewed; and one-row sums whose partials the
+    matmul sends to the peers itself (LL), replayed the same way."""
     import torch.multiprocessing as mp
 
     from nanoserve.distributed.process_group import free_port

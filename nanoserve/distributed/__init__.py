@@ -43,6 +43,11 @@ class TPGroup:
             return None
         return self.symm.partial_out(rows, width, dtype, slot)
 
+    def ll_push(self, part: torch.Tensor | None):
+        """The symmetric path's offer to let the matmul writing `part` send it to the peers
+        itself (symm_all_reduce.SymmAllReduce.ll_push), or None."""
+        return None if self.symm is None else self.symm.ll_push(part)
+
     def reduce_rms_norm(
         self, part: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor] | None:

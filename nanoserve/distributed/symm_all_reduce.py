@@ -49,6 +49,15 @@ Invariants:
   started it, i.e. has finished the previous reduction on slot 0, so nobody still reads a
   slot that its owner's next matmul overwrites, nor an LL receive buffer (per slot) that a
   peer's next call on that slot overwrites. (Sums that skip the path do not touch it.)
+- One-row LL sums of 2-byte partials (batch-1 decode: `ll_push`, NANOSERVE_SYMM_PUSH=0 turns
+  it off): the matmul that computes the partials stores the words itself, each program as it
+  finishes, under the count the sum's kernel will take (program 0's next: no fused call runs
+  in between), and the sum's kernel only waits. Both sides decide from shapes, dtypes and the
+  matmul's config, so every rank pushes or none. The argument for slots above holds as is:
+  the matmul runs after this rank's previous reduction, on the other slot, has completed.
+  A `partial_out` voids any earlier offer for its slot, so a sum never skips a send nobody made.
+- Senders skip their own rank by the store's mask, not by a branch: a branch on the runtime
+  rank there failed to compile in Triton 3.6 at 4 ranks.
 - The embedding's partials (a step's first sum, normalised by the first layer's input norm)
   use slot 1 too, right after the previous step's last down_proj sum on slot 1: between
   those two, the logits all-gather and the next step's broadcast (NCCL) hold every rank
@@ -72,6 +81,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -112,6 +122,26 @@ def protocol() -> str:
 LL_MAX_BYTES = 64 * 4096 * 2
 
 
+# A one-row LL sum's words are stored by the matmul that computes the partials, as each of
+# its programs finishes (NANOSERVE_SYMM_PUSH=0: by the sum's kernel, after the whole matmul).
+PUSH_IN_MATMUL = os.environ.get("NANOSERVE_SYMM_PUSH", "1") != "0"
+
+
+@dataclass
+class LLPush:
+    """Where a matmul sends its one output row as LL words (`SymmAllReduce.ll_push`): the
+    slot's destinations in every rank's receive buffer, the call counts and this rank;
+    `sent` is set by the matmul that did."""
+
+    dst_addrs: torch.Tensor
+    epochs: torch.Tensor
+    rank: int
+    sent: bool = False
+
+    def args(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.dst_addrs, self.epochs, self.rank
+
+
 class SymmAllReduce:
     """This rank's symmetric buffer and the fused reduce + norm over it (see module).
     Layout: SLOTS slots of `max_bytes`, the flag array ([MAX_PROGRAMS, world] int64), then
@@ -145,6 +175,7 @@ class SymmAllReduce:
             for s in range(SLOTS)
         ]
         self.epochs = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
+        self._pushes: dict[int, LLPush] = {}  # per slot: the push offered to its current partials
 
     @staticmethod
     def _recv_offset(max_bytes: int, world: int) -> int:
@@ -162,9 +193,22 @@ class SymmAllReduce:
     def partial_out(self, rows: int, width: int, dtype: torch.dtype, slot: int) -> torch.Tensor | None:
         """Where a row-parallel layer writes its partial sums [rows, width]: a view of this
         rank's slot when the fused path takes this sum, else None."""
+        self._pushes.pop(slot, None)  # new partials: any earlier offer is void
         if fits(rows * width * dtype.itemsize, dtype, self.max_bytes) and torch.cuda.is_current_stream_capturing():
             return self._own_region(slot, rows, width, dtype)
         return None
+
+    def ll_push(self, part: torch.Tensor | None) -> LLPush | None:
+        """An offer to the matmul about to write `part` (a `partial_out` view) to send the words
+        itself (`triton_ops.small_m_linear(push=...)`, which sets `sent`): for one-row LL sums of
+        2-byte partials, or None. The sum then only waits (`all_reduce_rms_norm`)."""
+        if part is None or not PUSH_IN_MATMUL or part.shape[0] != 1 or part.element_size() != 2:
+            return None
+        slot = self._slot_of(part)
+        if slot is None or not self.uses_ll(part):
+            return None
+        self._pushes[slot] = push = LLPush(self.ll_dst_addrs[slot], self.epochs, self.rank)
+        return push
 
     def _slot_of(self, x: torch.Tensor) -> int | None:
         if not x.is_cuda or x.dim() != 2 or not x.is_contiguous() or x.device != self.buffer.device:
@@ -191,9 +235,11 @@ class SymmAllReduce:
         from nanoserve.models.triton_ops import all_reduce_rms_norm, ll_all_reduce_rms_norm
 
         slot = self._slot_of(part)
+        push = self._pushes.pop(slot, None)
         if self.uses_ll(part):
+            sent = push is not None and push.sent
             return ll_all_reduce_rms_norm(
-                part, self.ll_dst_addrs[slot], self.ll_recv[slot], self.epochs, self.rank, residual, weight, eps
+                part, self.ll_dst_addrs[slot], self.ll_recv[slot], self.epochs, self.rank, residual, weight, eps, sent
             )
         return all_reduce_rms_norm(
             part, self.slot_addrs[slot], self.flag_addrs, self.epochs, self.rank, residual, weight, eps

@@ -103,13 +103,16 @@ def linear(
     bias: torch.Tensor | None = None,
     fp32_out: bool = False,
     out: torch.Tensor | None = None,
+    push=None,
 ) -> torch.Tensor:
     """x W^T (+ b) in x's dtype, or with `fp32_out` in fp32, accumulated in fp32 and never
     rounded to x's dtype; written into `out` ([rows, N], dense, of that dtype) when given. On
     CUDA the Triton small-M kernel runs where `triton_ops.linear_config` says it beats cuBLAS
     for this shape (decode batches of up to 256 rows; split-K on narrow matrices); otherwise
     cuBLAS (F.linear, or torch.mm / addmm into `out`), or for fp32_out cuBLAS with an fp32
-    output (`torch.mm(..., out_dtype)`), or on CPU (the slow twin) the matmul of fp32 copies."""
+    output (`torch.mm(..., out_dtype)`), or on CPU (the slow twin) the matmul of fp32 copies.
+    `push` (symm_all_reduce.LLPush, with `out`): the Triton kernel also sends the result to
+    the peers where it can, and then marks the push sent."""
     fp32_out = fp32_out and x.dtype != torch.float32
     k, n = x.shape[-1], weight.shape[0]
     rows = x.numel() // k if k else 0
@@ -117,7 +120,11 @@ def linear(
     if config is not None:
         if out is None:
             out = torch.empty(rows, n, dtype=torch.float32 if fp32_out else x.dtype, device=x.device)
-        triton_ops().small_m_linear(x.reshape(rows, k), weight, bias, config, out=out)
+        ops = triton_ops()
+        pushing = push is not None and ops.can_push(config, rows, out.dtype)
+        ops.small_m_linear(x.reshape(rows, k), weight, bias, config, out=out, push=push.args() if pushing else None)
+        if pushing:
+            push.sent = True
         return out.view(*x.shape[:-1], n)
     if not fp32_out:
         if out is None:
@@ -397,7 +404,7 @@ class RowParallelLinear(nn.Module):
         rows, n = x.numel() // x.shape[-1], self.weight.shape[0]
         out = self.tp.partial_out(rows, n, torch.float32 if fp32 else x.dtype, self.reduce_slot)
         bias = self.bias if self.tp.rank == 0 else None
-        return linear(x, self.weight, bias, fp32_out=fp32, out=out)
+        return linear(x, self.weight, bias, fp32_out=fp32, out=out, push=self.tp.ll_push(out))
 
 
 EMBEDDING_SLOT = 1  # the symmetric-memory slot of the embedding's partial sums

@@ -100,9 +100,12 @@ def _tile_ranges(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
 def _linear_fma_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     M, N, K, stride_xm, stride_wn, stride_ym,
+    push_addrs, epoch_ptr, rank,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, LINE: tl.constexpr, PUSH_WORLD: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """PUSH_WORLD > 0 (one row, 2-byte y): each program also stores its outputs into every
+    peer's LL receive buffer (`_ll_push_row`), so the sum's kernel does not send them."""
     rm, rn, rk = _tile_ranges(BLOCK_M, BLOCK_N, BLOCK_K)
     # Rows past M or N re-read the last valid row (results never stored): loads stay unmasked
     # along M and N, so full tiles keep 16-byte vector loads.
@@ -143,6 +146,29 @@ def _linear_fma_kernel(
         y += tl.load(b_ptr + rn_in).to(tl.float32)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if PUSH_WORLD > 0:
+        _ll_push_row(y, N, push_addrs, epoch_ptr, rank, y_ptr.dtype.element_ty, BLOCK_N, PUSH_WORLD)
+
+
+@triton.jit
+def _ll_push_row(y, N, dst_addrs, epoch_ptr, rank, dtype: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr):
+    """This program's BLOCK_N columns of row 0 (y [1, BLOCK_N] fp32, rounded to the 2-byte
+    `dtype` as stored) into every peer's receive buffer (`dst_addrs[q]`, as the LL kernel's
+    send: two columns per 64-bit word, the even one in the low half, under the call count).
+    The count is that of the LL call that sums this row: program 0's next (`_next_call`);
+    the previous fused call has completed (PDL), and the coming one counts only after this
+    kernel has. Why here: the words leave as each program finishes instead of after the
+    whole matmul, and the sum's kernel only waits (measured in RESULTS.md, eleventh round)."""
+    tag = (tl.load(epoch_ptr) + 1) << 32
+    bits = y.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    lo, hi = tl.split(tl.reshape(bits, [BLOCK_N // 2, 2]))
+    word = tag | (lo | (hi << 16)).to(tl.uint32).to(tl.int64)
+    widx = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    # Peers only, by the store's mask: a branch on the runtime rank here failed to compile in
+    # Triton 3.6 at WORLD = 4 (sm_90), "operand does not dominate this use".
+    for q in tl.static_range(WORLD):
+        dst = tl.load(dst_addrs + q).to(tl.pointer_type(tl.int64))
+        tl.store(dst + widx, word, mask=(widx < N // 2) & (tl.full([1], q, tl.int32) != rank))
 
 
 @triton.jit
@@ -236,6 +262,7 @@ def small_m_linear(
     config: LinearConfig,
     out: torch.Tensor | None = None,
     partials_only: bool = False,
+    push: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """y = x W^T (+ b) for x [M, K] (dense last dim), weight [N, K] (dense rows). `out` is an
     optional [M, N] result buffer with dense rows, in x's dtype or fp32 (then the fp32
@@ -243,12 +270,15 @@ def small_m_linear(
     A split-K config (`config.split_k` > 1) also allocates its fp32 workspace
     [split_k, M, N] here, from the caching allocator (a CUDA graph's pool under capture).
     With `partials_only` (a split-K config, no bias) the sum is left out and the workspace
-    returned: `rms_norm` adds its planes as the sum kernel would."""
+    returned: `rms_norm` adds its planes as the sum kernel would. `push` = (dst_addrs,
+    epochs, rank) of an LL sum (where `can_push` allows): the row also goes to the peers."""
     if partials_only and (config.split_k < 2 or bias is not None):
         raise ValueError("partials_only needs a split-K config and no bias")
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    launches = _linear_launches(x, weight, bias, config, out)
+    if push is not None and not can_push(config, x.shape[0], out.dtype):
+        raise ValueError("only the one-row fma kernel with 2-byte outputs pushes to the peers")
+    launches = _linear_launches(x, weight, bias, config, out, push)
     if partials_only:
         launches = launches[:1]
     for kernel, grid, args, options in launches:
@@ -268,8 +298,19 @@ def compile_linear(
         kernel.warmup(*args, grid=grid, **options)
 
 
+def can_push(config: LinearConfig, M: int, out_dtype: torch.dtype) -> bool:
+    """Whether `small_m_linear` can send its result to the peers of an LL sum itself: one row
+    through the fma kernel (whole LL words per program), 2-byte outputs."""
+    return M == 1 and config.kernel == "fma" and config.block_n % 2 == 0 and out_dtype.itemsize == 2
+
+
 def _linear_launches(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: LinearConfig, out: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: LinearConfig,
+    out: torch.Tensor,
+    push: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> list[tuple]:
     """(kernel, grid, args, options) of each launch of the product, in launch order."""
     M, K = x.shape
@@ -292,8 +333,11 @@ def _linear_launches(
     grid = (triton.cdiv(N, c.block_n), triton.cdiv(M, c.block_m), c.split_k)
     if c.kernel == "fma":
         line = min(c.block_k, 128 // weight.element_size())  # elements per 128-byte line
-        args = (x, weight, b, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0))
-        options = {"HAS_BIAS": bias is not None, "EVEN_K": K % c.block_k == 0, "LINE": line, **common}
+        dst, epochs, rank = push if push is not None else (weight, weight, 0)  # unused without a push
+        args = (x, weight, b, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0), dst, epochs, rank)
+        world = 0 if push is None else dst.numel()
+        options = {"HAS_BIAS": bias is not None, "EVEN_K": K % c.block_k == 0, "LINE": line, "PUSH_WORLD": world}
+        options.update(common)
         return [(_linear_fma_kernel, grid[:2], args, options)]
     # Each split covers a whole number of K blocks; EVEN_K: every split's blocks lie within K.
     k_split = triton.cdiv(triton.cdiv(K, c.split_k), c.block_k) * c.block_k
@@ -687,7 +731,7 @@ def _ll_all_reduce_rms_norm_kernel(
     part_ptr, dst_addrs, recv_ptr, recv_stride, epoch_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
     M, rank, stride_r, stride_o, stride_s, eps,
     N: tl.constexpr, BLOCK: tl.constexpr, PACK: tl.constexpr, WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    SENT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The low-latency (LL) protocol: no flags and no reads over NVLink. Program p takes rows
     p, p + P, ...; it stores each row of its partials into every peer's receive buffer
@@ -695,7 +739,8 @@ def _ll_all_reduce_rms_norm_kernel(
     holding 32 bits of partials (PACK elements) under its call count in the high 32 bits,
     then polls its own receive buffer (`recv_ptr + q * recv_stride`: rank q's rows) until
     every word of a row carries this call's count. A 64-bit store is seen whole or not at
-    all, so a word with the right count holds that call's data: nothing else to wait for."""
+    all, so a word with the right count holds that call's data: nothing else to wait for.
+    SENT: the matmul that wrote the partials has already stored these words (`_ll_push_row`)."""
     cols = tl.arange(0, BLOCK)
     mask = _lanes(cols, N)
     WORDS: tl.constexpr = BLOCK // PACK
@@ -709,14 +754,13 @@ def _ll_all_reduce_rms_norm_kernel(
     part_words = part_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     programs = tl.num_programs(0)
     rows_here = tl.cdiv(M - pid, programs)
-    for i in range(rows_here):  # send first: no program waits before all of its rows are out
+    for i in range(0 if SENT else rows_here):  # send first: no program waits before all of its rows are out
         row = pid.to(tl.int64) + i * programs
         data = tl.load(part_words + row * words_per_row + wcols, mask=wmask, other=0)
         word = tag | data.to(tl.uint32).to(tl.int64)  # the 32 bits, zero-extended
-        for q in tl.static_range(WORLD):
-            if q != rank:
-                dst = tl.multiple_of(tl.load(dst_addrs + q).to(tl.pointer_type(tl.int64)), 16)
-                tl.store(dst + row * words_per_row + wcols, word, mask=wmask)
+        for q in tl.static_range(WORLD):  # peers only, by mask: see _ll_push_row
+            dst = tl.multiple_of(tl.load(dst_addrs + q).to(tl.pointer_type(tl.int64)), 16)
+            tl.store(dst + row * words_per_row + wcols, word, mask=wmask & (tl.full([1], q, tl.int32) != rank))
     dtype = out_ptr.dtype.element_ty
     for i in range(rows_here):
         row = pid.to(tl.int64) + i * programs
@@ -817,12 +861,13 @@ def ll_all_reduce_rms_norm(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
+    sent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As `all_reduce_rms_norm`, over the LL protocol (see its kernel): `dst_addrs` [WORLD]
     the addresses where this rank's words go in every rank's receive buffer, `recv` [WORLD,
     >= M * N * itemsize / 4] int64 this rank's receive buffer (rank q's words in row q; zeroed
     with `epochs` before the first call). Partials of 2 or 4 bytes, N * itemsize a multiple
-    of 4."""
+    of 4. `sent`: the matmul already pushed this rank's words (`small_m_linear(push=...)`)."""
     M, N = part.shape
     pack = 4 // part.element_size()
     if pack not in (1, 2) or N % pack or recv.dtype != torch.int64 or recv.shape[1] * pack < M * N:
@@ -833,7 +878,7 @@ def ll_all_reduce_rms_norm(
         _ll_all_reduce_rms_norm_kernel[grid](
             part, dst_addrs, recv, recv.stride(0), epochs, r, weight, out, total,
             M, rank, r.stride(0), out.stride(0), total.stride(0), eps,
-            PACK=pack, WORLD=dst_addrs.numel(), **options,
+            PACK=pack, WORLD=dst_addrs.numel(), SENT=sent, **options,
         )  # fmt: skip
     return out, total
 
