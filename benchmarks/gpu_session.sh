@@ -40,7 +40,7 @@ for s in ${STAGES:-tests offline latency}; do
       done ;;
     latency_qwen) stage latency_qwen 120 python benchmarks/latency.py --models qwen3-0.6b ;;
     profile) stage profile 400 python benchmarks/profile_offline.py ;;
-    host) stage host 200 python benchmarks/host_overhead.py --model ${HOST_MODEL:-qwen3-0.6b} ;;
+    host) stage host ${T_HOST:-200} python benchmarks/host_overhead.py --model ${HOST_MODEL:-qwen3-0.6b} $HOST_ARGS ;;
     spread) stage spread 300 python benchmarks/offline_throughput.py --repeat ${REPEAT:-4} ;;
     sampler) stage sampler_tests ${T_SAMPLER_TESTS:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_sampler.py
              stage sampler_bench 120 python benchmarks/sampler_bench.py ;;
