@@ -2,8 +2,9 @@
 # One device call on nvidia-h200-x2 (x4: TP=4) for tensor parallelism (issue 7), logs under $OUT. Stages
 # (STAGES="symm comm check profile tests" by default; each has its own time limit T_*, so one
 # that hangs leaves the others their time):
-#   symm:    the fused all-reduce + RMSNorm over symmetric memory against NCCL's all-reduce +
-#            rms_norm on both GPUs (GPU test, a few seconds);
+#   symm:    the TP kernels compiled for 2, 4 and 8 ranks with this image's Triton
+#            (tests/hopper_compile.py), then the fused all-reduce + RMSNorm over symmetric memory
+#            against NCCL's all-reduce + rms_norm on both GPUs (GPU test, about a minute);
 #   comm:    the communication costs alone (benchmarks/tp_comm.py);
 #   check:   TP=$TP (default 2) vs TP=1: greedy agreement in bf16 and fp32, offline throughput (warmed up)
 #            and batch-1 TPOT (benchmarks/tp_check.py $CHECK_ARGS; add --symm-off-too for the
@@ -23,7 +24,8 @@ STAGES=${STAGES:-symm comm check profile tests}
 for stage in $STAGES; do
   echo "== $stage $(date -u +%T)"
   case $stage in
-    symm) timeout "${T_SYMM:-90}" python -m pytest -m gpu tests/test_tp.py tests/test_decode_kernels.py -k "fused_all_reduce or dispatch_matches or replay_chain" -q -s -p no:cacheprovider \
+    symm) python tests/hopper_compile.py 2 4 8 > "$OUT/tp_compile.log" 2>&1; echo "kernels compile for sm_90 at: $(tr '\n' ' ' < "$OUT/tp_compile.log" | tail -c 300)"
+          timeout "${T_SYMM:-90}" python -m pytest -m gpu tests/test_tp.py tests/test_decode_kernels.py -k "fused_all_reduce or dispatch_matches or replay_chain" -q -s -p no:cacheprovider \
             > "$OUT/tp_symm_test.log" 2>&1; tail -n 3 "$OUT/tp_symm_test.log" ;;
     comm) timeout "${T_COMM:-90}" python benchmarks/tp_comm.py > "$OUT/tp_comm.log" 2>&1; tail -n 24 "$OUT/tp_comm.log" ;;
     check) timeout "${T_CHECK:-380}" python benchmarks/tp_check.py --model "${MODEL:-llama-3.1-8b}" --tp ${TP:-2} $CHECK_ARGS \

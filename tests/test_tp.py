@@ -624,6 +624,21 @@ def test_one_row_matmul_pushes_its_words_interpreted(rank, block_n):
     assert not peer_recv.any() and not recv[rank].any()  # sent by the matmul: the sum stored nothing
 
 
+def test_tp_kernels_compile_for_every_group_size():
+    """The fused all-reduce kernels (LL and pull, sending or not) and the one-row matmul's push
+    compile for Hopper at 2, 4 and 8 ranks (tests/hopper_compile.py, in a process of its own:
+    this one may run Triton's interpreter). At 4 ranks the LL send once failed to compile in
+    Triton 3.6 (a branch on the runtime rank), and only TP=4 on GPUs had shown it."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).parent / "hopper_compile.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "2", "4", "8"], check=False, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split() == ["2", "4", "8"], done.stdout
+
+
 def test_row_parallel_partials_sum_in_the_norm():
     """Without a process group: a row-parallel layer returns partial sums (rank 0's with the
     bias) and RMSNorm(reduce_over=...) sums them before the residual add; with the two
