@@ -162,13 +162,20 @@ def _ll_push_row(y, N, dst_addrs, epoch_ptr, rank, dtype: tl.constexpr, BLOCK_N:
     tag = (tl.load(epoch_ptr) + 1) << 32
     bits = y.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     lo, hi = tl.split(tl.reshape(bits, [BLOCK_N // 2, 2]))
-    word = tag | (lo | (hi << 16)).to(tl.uint32).to(tl.int64)
     widx = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    # Peers only, by the store's mask: a branch on the runtime rank here failed to compile in
-    # Triton 3.6 at WORLD = 4 (sm_90), "operand does not dominate this use".
+    _ll_send(dst_addrs, widx, lo | (hi << 16), tag, widx < N // 2, rank, WORLD)
+
+
+@triton.jit
+def _ll_send(dst_addrs, offsets, data, tag, mask, rank, WORLD: tl.constexpr):
+    """32-bit `data` as LL words (the call count `tag` in the high 32 bits) at `offsets` (in
+    words) of every peer's receive buffer (`dst_addrs[q]`, 256-byte aligned). Peers only, by
+    the store's mask: a branch on the runtime rank here failed to compile in Triton 3.6 at
+    WORLD = 4 (sm_90), "operand does not dominate this use"."""
+    word = tag | data.to(tl.uint32).to(tl.int64)  # the 32 bits, zero-extended
     for q in tl.static_range(WORLD):
-        dst = tl.load(dst_addrs + q).to(tl.pointer_type(tl.int64))
-        tl.store(dst + widx, word, mask=(widx < N // 2) & (tl.full([1], q, tl.int32) != rank))
+        dst = tl.multiple_of(tl.load(dst_addrs + q).to(tl.pointer_type(tl.int64)), 16)
+        tl.store(dst + offsets, word, mask=mask & (tl.full([1], q, tl.int32) != rank))
 
 
 @triton.jit
@@ -757,10 +764,7 @@ def _ll_all_reduce_rms_norm_kernel(
     for i in range(0 if SENT else rows_here):  # send first: no program waits before all of its rows are out
         row = pid.to(tl.int64) + i * programs
         data = tl.load(part_words + row * words_per_row + wcols, mask=wmask, other=0)
-        word = tag | data.to(tl.uint32).to(tl.int64)  # the 32 bits, zero-extended
-        for q in tl.static_range(WORLD):  # peers only, by mask: see _ll_push_row
-            dst = tl.multiple_of(tl.load(dst_addrs + q).to(tl.pointer_type(tl.int64)), 16)
-            tl.store(dst + row * words_per_row + wcols, word, mask=wmask & (tl.full([1], q, tl.int32) != rank))
+        _ll_send(dst_addrs, row * words_per_row + wcols, data, tag, wmask, rank, WORLD)
     dtype = out_ptr.dtype.element_ty
     for i in range(rows_here):
         row = pid.to(tl.int64) + i * programs
