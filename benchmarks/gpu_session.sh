@@ -15,9 +15,11 @@ stage() {  # name, timeout in s, command...
 }
 for s in ${STAGES:-tests offline latency}; do
   case $s in
-    tests) stage tests 300 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_fastpath.py tests/test_piecewise_graph.py ;;
+    tests) stage tests 300 python -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_fastpath.py tests/test_piecewise_graph.py ;;
     tests_kernels) stage tests_kernels 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_decode_kernels.py ;;
     tests_attn) stage tests_attn 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_attention.py ;;
+    tests_tp_graphs) stage tests_tp_graphs 240 python -m pytest -m gpu -q -s -p no:cacheprovider tests/test_tp.py -k decode_graphs_match_eager ;;  # 2 GPUs
+    agree) stage agree ${T_AGREE:-400} python benchmarks/greedy_agreement.py ;;
     offline) stage offline 150 python benchmarks/offline_throughput.py ;;
     offline_fp8) stage offline_fp8 150 python benchmarks/offline_throughput.py --kv-cache-dtype fp8 ;;
     offline_nofused) stage offline_nofused 150 env NANOSERVE_FUSED_SAMPLER=0 python benchmarks/offline_throughput.py ;;
@@ -46,4 +48,4 @@ for s in ${STAGES:-tests offline latency}; do
              stage sampler_bench 120 python benchmarks/sampler_bench.py ;;
   esac
 done
-grep -E "^=====|tok/s|TPOT|passed|failed|error|x$" $LOG | tail -n 60
+grep -E "^=====|tok/s|TPOT|passed|failed|error|identical|x$" $LOG | tail -n 90

@@ -37,6 +37,9 @@ def gather_kv(cache: torch.Tensor, page_table: torch.Tensor, max_seq_len: int) -
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    # The attention over the padded block; a subclass may swap in another exact one
+    # (benchmarks/greedy_agreement.py compares two).
+    attend = staticmethod(F.scaled_dot_product_attention)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         # Which padded query cells are real tokens, and the mask; shared by all layers.
@@ -77,6 +80,6 @@ class TorchAttentionBackend(AttentionBackend):
         values = values.transpose(1, 2).repeat_interleave(group, dim=1)
         padded_q = q.new_zeros(num_reqs, max_q, num_q_heads, head_dim)
         padded_q[self._valid_q] = q
-        out = F.scaled_dot_product_attention(padded_q.transpose(1, 2), keys, values, attn_mask=self._mask, scale=scale)
+        out = self.attend(padded_q.transpose(1, 2), keys, values, attn_mask=self._mask, scale=scale)
         out = out.transpose(1, 2)[self._valid_q]  # [T, Hq, D], rows in request order
         return out
