@@ -58,10 +58,13 @@ def run(llm: LLM, prompts, new=NEW):
 
 
 # The dummy model's greedy outputs mostly repeat one token after their first, at wide
-# margins, so equal tokens alone would miss much of a wrong decode step. Equal runs must also
-# agree on the top-5 logprobs (a bug moves logits by their spread, ~18 here); kernels' bf16
-# rounding moves them by LOGPROB_TOL at most, measured on an H200 (RESULTS.md, twelfth round).
-LOGPROB_TOL = 2.0
+# margins, so equal tokens alone would miss much of a wrong decode step. Runs must also agree
+# on the top-5 logprobs up to their first divergence: a bug moves logits by their spread
+# (~18 here). Measured on an H200 (RESULTS.md, twelfth round): the same kernels (graphs vs
+# eager, any padding) are bit-equal; across kernels and with an fp8 cache they differ by
+# 3.0 at most (bf16 steps of 0.5 at these logit sizes).
+LOGPROB_TOL = 4.0
+SAME_KERNELS_TOL = 0.5
 
 
 def compare(a, b, what: str, min_identical: float = 0.95, logprob_tol: float = LOGPROB_TOL) -> float:
@@ -139,7 +142,7 @@ def hf_reference(prompts):
 
 
 def test_graphs_overlap_vs_eager_simple(results):
-    compare(results["fast"], results["eager"], "graphs+overlap vs eager+simple")
+    compare(results["fast"], results["eager"], "graphs+overlap vs eager+simple", logprob_tol=SAME_KERNELS_TOL)
 
 
 # Across different kernels (FA2/Triton vs SDPA vs transformers) the dummy model's bf16
@@ -180,7 +183,7 @@ def test_padding_near_captured_sizes(fast, eager, bs):
     prompts = make_prompts(bs, seed=100 + bs)
     graphs = fast.engine.runner.graphs
     assert (graphs.padded_size(bs) is None) == (bs > GRAPH_MAX_BS)
-    compare(run(fast, prompts, 24), run(eager, prompts, 24), f"bs {bs}: graphs vs eager")
+    compare(run(fast, prompts, 24), run(eager, prompts, 24), f"bs {bs}: graphs vs eager", logprob_tol=SAME_KERNELS_TOL)
 
 
 def test_fused_ops_equal_plain():
