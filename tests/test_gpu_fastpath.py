@@ -61,10 +61,11 @@ def run(llm: LLM, prompts, new=NEW):
 # margins, so equal tokens alone would miss much of a wrong decode step. Runs must also agree
 # on the top-5 logprobs up to their first divergence: a bug moves logits by their spread
 # (~18 here). Measured on an H200 (RESULTS.md, twelfth round): the same kernels (graphs vs
-# eager, any padding) are bit-equal; across kernels and with an fp8 cache they differ by
-# 3.0 at most (bf16 steps of 0.5 at these logit sizes).
+# eager, any padding) are bit-equal; across kernels (either cache) they differ by 3.0 at
+# most (bf16 steps of 0.5 at these logit sizes); an fp8 cache against the bf16 one by 4.0.
 LOGPROB_TOL = 4.0
 SAME_KERNELS_TOL = 0.5
+FP8_VS_BF16_TOL = 8.0
 
 
 def compare(a, b, what: str, min_identical: float = 0.95, logprob_tol: float = LOGPROB_TOL) -> float:
@@ -175,7 +176,7 @@ def test_fp8_kv_cache(results):
     reference = run(fp8_torch, PROMPTS)
     del fp8_torch
     compare(fast, reference, "fp8 cache: graphs+overlap vs torch attention", CROSS_KERNEL_MIN)
-    compare(fast, results["fast"], "fp8 vs bf16 cache", 0.0)
+    compare(fast, results["fast"], "fp8 vs bf16 cache", 0.0, FP8_VS_BF16_TOL)
 
 
 @pytest.mark.parametrize("bs", [3, 9, GRAPH_MAX_BS, GRAPH_MAX_BS + 1])
