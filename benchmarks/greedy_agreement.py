@@ -3,9 +3,10 @@
 The GPU fast-path test (tests/test_gpu_fastpath.py) compares greedy outputs across kernels
 (Triton attention, the torch backend's SDPA, transformers) on dummy qwen3-0.6b in bf16,
 32 prompts x 64 tokens. This script asks what agreement to expect at all: it runs the same
-prompts through attention implementations that are each exact up to their final rounding
-(SDPA; an explicit fp32 softmax(QK^T)V rounded once; on CUDA the Triton kernels with
-graphs and overlap) and counts the identical outputs of every pair, per dtype. Where two
+prompts through correct attention implementations (SDPA as torch runs it, whose CUDA
+flash kernels round the probabilities to the input dtype before the V product, as
+FlashAttention and our Triton kernels do; an explicit fp32 softmax(QK^T)V rounded once; on
+CUDA the Triton kernels with graphs and overlap) and counts the identical outputs of every pair, per dtype. Where two
 runs part, it prints the position and each run's logprob gap between the two tokens. It
 also counts outputs that repeat a single token after their first (the dummy model's
 greedy outputs often do).
