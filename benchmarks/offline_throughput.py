@@ -130,6 +130,41 @@ class GCTimer:
         return text
 
 
+class CompileWatch:
+    """Kernels compiled inside a timed run, since the last read: Triton specializations first
+    launched in this process (compiled, or loaded from the disk cache) and torch.compile
+    graphs. Each stalls the host mid-run, and a fresh machine's first process compiles from
+    scratch; the warm-up is meant to leave none."""
+
+    def __init__(self) -> None:
+        self.triton: list[str] = []
+        self._graphs = self._torch_graphs()
+        try:
+            from triton import knobs
+        except ImportError:  # no Triton (CPU): nothing to watch there
+            return
+        previous = knobs.runtime.jit_post_compile_hook
+
+        def hook(**kwargs):
+            self.triton.append(kwargs["fn"].name)
+            return previous(**kwargs) if previous else None
+
+        knobs.runtime.jit_post_compile_hook = hook
+
+    @staticmethod
+    def _torch_graphs() -> int:
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"]
+
+    def read(self) -> str:
+        graphs = self._torch_graphs()
+        names = ", ".join(sorted(set(self.triton)))
+        text = f"{len(self.triton)} Triton ({names or '-'}), {graphs - self._graphs} torch.compile"
+        self.triton, self._graphs = [], graphs
+        return text
+
+
 def timed_run(llm: LLM, prompts, params) -> tuple[list, float]:
     """One timed pass of the workload, the engine's host counters reset before it."""
     engine = llm.engine
@@ -144,7 +179,7 @@ def timed_run(llm: LLM, prompts, params) -> tuple[list, float]:
     return outs, time.perf_counter() - started
 
 
-def run_breakdown(engine, elapsed: float, gc_timer: GCTimer) -> str:
+def run_breakdown(engine, elapsed: float, gc_timer: GCTimer, compiles: CompileWatch) -> str:
     """Where a run's wall time went on the host: waiting for the GPU (GPU-bound), the rest
     of the engine's steps, outside them, and the garbage collector."""
     busy = engine.step_s - engine.gpu_wait_s
@@ -152,7 +187,7 @@ def run_breakdown(engine, elapsed: float, gc_timer: GCTimer) -> str:
         f"elapsed {elapsed:.2f} s = host waiting for the GPU {engine.gpu_wait_s:.2f} s + other step work {busy:.2f} s "
         f"({engine.num_steps} steps, {1e3 * busy / max(engine.num_steps, 1):.3f} ms each: schedule, prepare, launch, "
         f"process; on CPU also the compute) + outside steps {elapsed - engine.step_s:.2f} s (LLM.generate); "
-        f"collector: {gc_timer.read()}"
+        f"collector: {gc_timer.read()}; compiled in the run: {compiles.read()}"
     )
 
 
@@ -178,6 +213,7 @@ def main() -> None:
     prompts, max_tokens = prompts[: args.num_seqs], max_tokens[: args.num_seqs]
     total_prompt, total_out = sum(map(len, prompts)), sum(max_tokens)
 
+    compiles = CompileWatch()
     llm = LLM(
         args.model,
         load_format="dummy",
@@ -192,6 +228,7 @@ def main() -> None:
     bw = copy_bandwidth(device)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     warm_up(llm, prompts)
+    print(f"compiled in the start-up and warm-up: {compiles.read()}")
     if args.gc_freeze:
         gc.collect()
         gc.freeze()  # the engine's long-lived objects leave the collector's scans
@@ -199,7 +236,7 @@ def main() -> None:
     for run in range(1, args.repeat):  # earlier runs (the last is reported in full below)
         _, elapsed = timed_run(llm, prompts, params)
         print(
-            f"run {run} of {args.repeat}: {total_out / elapsed:,.0f} output tok/s; {run_breakdown(engine, elapsed, gc_timer)}",
+            f"run {run} of {args.repeat}: {total_out / elapsed:,.0f} output tok/s; {run_breakdown(engine, elapsed, gc_timer, compiles)}",
             flush=True,
         )
         if engine.prefix_cache is not None:
@@ -207,7 +244,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     outs, elapsed = timed_run(llm, prompts, params)
-    host = run_breakdown(engine, elapsed, gc_timer)  # now: the collector's count must end with the run
+    host = run_breakdown(engine, elapsed, gc_timer, compiles)  # now: the collector's count must end with the run
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == total_out, (produced, total_out)
 
