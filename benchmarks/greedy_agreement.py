@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import random
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: its tests
 from nanoserve import LLM, SamplingParams
 from nanoserve.attention.torch_backend import TorchAttentionBackend
-
-LENGTHS = (17, 50, 100, 200)  # as in tests/test_gpu_fastpath.py
-
-
-def make_prompts(num: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(20000) for _ in range(LENGTHS[i % len(LENGTHS)])] for i in range(num)]
+from tests.test_gpu_fastpath import make_prompts  # the test's prompts, not a copy of them
 
 
 def explicit_attention(q, k, v, attn_mask, scale):

@@ -37,7 +37,7 @@ def gather_kv(cache: torch.Tensor, page_table: torch.Tensor, max_seq_len: int) -
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    # The attention over the padded block; a subclass may swap in another exact one
+    # The attention over the padded block; a subclass may swap in another correct one
     # (benchmarks/greedy_agreement.py compares two).
     attend = staticmethod(F.scaled_dot_product_attention)
 
