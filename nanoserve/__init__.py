@@ -20,4 +20,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TokenLogprobs"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "TokenLogprobs"]

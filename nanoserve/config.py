@@ -9,11 +9,12 @@ are derived in one place, `nanoserve.engine.model_runner.plan_kv_capacity`.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from nanoserve.models.registry import DEFAULT_MODEL
+from nanoserve.switches import KernelSwitches
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
@@ -58,6 +59,9 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of node 0's rendezvous (default: a free local port)
     dist_timeout_s: float = 300.0  # a collective waiting longer than this on a peer fails
+    # The fast paths' switches (nanoserve/switches.py), read from NANOSERVE_* variables once
+    # when the config is built; tests and benchmarks may pass their own.
+    switches: KernelSwitches = field(default_factory=KernelSwitches.from_env)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -87,7 +91,7 @@ class EngineConfig:
         need(self.dist_timeout_s > 0, "dist_timeout_s", "must be > 0")
 
     @staticmethod
-    def create(model: str = DEFAULT_MODEL, **kwargs) -> "EngineConfig":
+    def create(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
         known = {f.name for f in fields(EngineConfig)}
         unknown = set(kwargs) - known
         if unknown:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 from nanoserve.models.registry import ModelSource, resolve_model
+from nanoserve.switches import cache_dir
 
 log = logging.getLogger("nanoserve")
 
@@ -20,8 +20,7 @@ log = logging.getLogger("nanoserve")
 def _cache_dir(gguf_path: Path) -> Path:
     st = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
-    return root / "tokenizers" / key
+    return cache_dir() / "tokenizers" / key
 
 
 def _load_from(source: ModelSource):

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import triton
 from triton.backends.compiler import GPUTarget
 
-from nanoserve.models import triton_ops as ops
+from nanoserve.kernels import all_reduce, linear
 
 BF16, I64 = "*bf16", "*i64"
 
@@ -40,13 +40,13 @@ def compile_tp_kernels(world: int) -> None:
     norm = {"N": 4096, "BLOCK": 4096, "WORLD": world, "HAS_RESIDUAL": True, "USE_PDL": True}
     ll = {"part_ptr": BF16, "dst_addrs": I64, "recv_ptr": I64, "recv_stride": "i32", **norm_args}
     for sent in (False, True):
-        compile_for_hopper(ops._ll_all_reduce_rms_norm_kernel, ll, {**norm, "PACK": 2, "SENT": sent}, 16)
+        compile_for_hopper(all_reduce._ll_all_reduce_rms_norm_kernel, ll, {**norm, "PACK": 2, "SENT": sent}, 16)
     pull = {"part_ptr": BF16, "slot_addrs": I64, "flag_addrs": I64, **norm_args}
-    compile_for_hopper(ops._all_reduce_rms_norm_kernel, pull, norm, 16)
+    compile_for_hopper(all_reduce._all_reduce_rms_norm_kernel, pull, norm, 16)
     fma = {n: BF16 for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")} | {"push_addrs": I64, "epoch_ptr": I64}
     fma |= {n: "i32" for n in ("N", "K", "stride_xm", "stride_wn", "stride_ym", "rank")}
     one_row = {"M": 1, "HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "EVEN_K": True, "LINE": 64}
-    compile_for_hopper(ops._linear_fma_kernel, fma, {**one_row, "PUSH_WORLD": world, "USE_PDL": True}, 2)
+    compile_for_hopper(linear._linear_fma_kernel, fma, {**one_row, "PUSH_WORLD": world, "USE_PDL": True}, 2)
 
 
 if __name__ == "__main__":

@@ -215,7 +215,7 @@ def reference(q, k_cache, v_cache, meta, scale):
 
 
 def run_cascade_check(rng, device, dtype, num_q_heads, num_kv_heads, head_dim, page_size, tol, graph=False):
-    from nanoserve.attention import triton_kernels as tk
+    from nanoserve.kernels import attention as tk
 
     group = num_q_heads // num_kv_heads
     plan = None

@@ -1,4 +1,4 @@
-"""The Triton decode kernels of models/triton_ops.py against their torch twins.
+"""The Triton decode kernels of nanoserve/kernels (linear, norm, rotary, activation) against their torch twins.
 
 CPU tests run tiny shapes in Triton's interpreter (conftest sets TRITON_INTERPRET=1 when no
 GPU is present); shapes are chosen so that tiles are ragged in every dimension (N and M not
@@ -20,7 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoserve.models.layers import rms_norm_plain, rope_inv_freq, rope_plain
+from nanoserve.kernels.norm import rms_norm_reference
+from nanoserve.kernels.rotary import rope_reference
+from nanoserve.models.layers import rope_inv_freq
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -40,7 +42,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_linear(M, N, K, dtype, device, config, bias: bool, tol: float, seed: int = 0) -> None:
-    from nanoserve.models import triton_ops
+    from nanoserve.kernels import linear as klinear
 
     gen = torch.Generator(device=device).manual_seed(seed)  # drawn where they are used: LM heads are large
     x = torch.randn(M, K, generator=gen, device=device).to(dtype)
@@ -48,7 +50,7 @@ def check_linear(M, N, K, dtype, device, config, bias: bool, tol: float, seed: i
     b = torch.randn(N, generator=gen, device=device).to(dtype) if bias else None
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
     out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
-    got = triton_ops.small_m_linear(x, w, b, config, out=out)
+    got = klinear.small_m_linear(x, w, b, config, out=out)
     assert got.data_ptr() == out.data_ptr()
     assert not torch.isnan(out).any(), f"unwritten element ({config})"
     err = rel_err(out, ref)
@@ -71,19 +73,19 @@ def make_qk(tokens, num_q, num_k, head_dim, dtype, device, seed, max_pos=64):
 
 
 def check_qk_norm_rope(tokens, num_q, num_k, head_dim, dtype, device, norm: bool, tol: float, seed=0) -> None:
-    from nanoserve.models import triton_ops
+    from nanoserve.kernels import rotary as krotary
 
     eps = 1e-6
     q, k, pos, cos, sin, qw, kw = make_qk(tokens, num_q, num_k, head_dim, dtype, device, seed)
 
     def torch_twin(q, k, qw, kw, cos, sin):
         if norm:
-            q, k = rms_norm_plain(q, qw, eps), rms_norm_plain(k, kw, eps)
-        return rope_plain(pos, q, k, cos, sin)
+            q, k = rms_norm_reference(q, qw, eps), rms_norm_reference(k, kw, eps)
+        return rope_reference(pos, q, k, cos, sin)
 
     twin = torch_twin(q, k, qw, kw, cos, sin)
     exact = torch_twin(*(t.double() for t in (q, k, qw, kw, cos, sin)))
-    got = triton_ops.qk_norm_rope(pos, q, k, cos, sin, *((qw, kw, eps) if norm else ()))
+    got = krotary.qk_norm_rope(pos, q, k, cos, sin, *((qw, kw, eps) if norm else ()))
     for g, t, e in zip(got, twin, exact):
         assert g.shape == t.shape and g.dtype == dtype and g.is_contiguous()
         assert not torch.isnan(g).any()
@@ -95,7 +97,7 @@ def check_qk_norm_rope_store(tokens, num_q, num_k, head_dim, dtype, device, cach
     """With kv_store the launch also writes the rotated k and v into their cache slots: q/k
     outputs unchanged, the slots hold exactly what attention's store (a cast of k and v)
     would write, a negative slot and every other slot untouched."""
-    from nanoserve.models import triton_ops
+    from nanoserve.kernels import rotary as krotary
 
     q, k, pos, cos, sin, qw, kw = make_qk(tokens, num_q, num_k, head_dim, dtype, device, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -106,8 +108,8 @@ def check_qk_norm_rope_store(tokens, num_q, num_k, head_dim, dtype, device, cach
     v_cache = k_cache.clone()
     slots = torch.randperm(pages * page_size, generator=gen)[:tokens].to(device)
     slots[tokens // 2] = -1  # a token whose K/V must not be kept
-    plain = triton_ops.qk_norm_rope(pos, q, k, cos, sin, qw, kw, 1e-6)
-    got = triton_ops.qk_norm_rope(pos, q, k, cos, sin, qw, kw, 1e-6, kv_store=(v, k_cache, v_cache, slots))
+    plain = krotary.qk_norm_rope(pos, q, k, cos, sin, qw, kw, 1e-6)
+    got = krotary.qk_norm_rope(pos, q, k, cos, sin, qw, kw, 1e-6, kv_store=(v, k_cache, v_cache, slots))
     assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
     kept = slots >= 0
     want_k, want_v = torch.full_like(k_cache, 7.0), torch.full_like(v_cache, 7.0)
@@ -123,7 +125,7 @@ def check_qk_norm_rope_store(tokens, num_q, num_k, head_dim, dtype, device, cach
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_interp_gemv_ragged(dtype):
-    from nanoserve.models.triton_ops import LinearConfig
+    from nanoserve.kernels.linear import LinearConfig
 
     # N = 10 over blocks of 4, K = 80 over blocks of 32 (masked tail), with a bias
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -132,7 +134,7 @@ def test_interp_gemv_ragged(dtype):
 
 @interp
 def test_interp_fma_several_rows():
-    from nanoserve.models.triton_ops import LinearConfig
+    from nanoserve.kernels.linear import LinearConfig
 
     # M = 3 in a block of 2 (two row blocks, the second half empty), even K
     check_linear(3, 12, 64, torch.float32, "cpu", LinearConfig("fma", 2, 8, 32), bias=False, tol=1e-5, seed=2)
@@ -141,7 +143,7 @@ def test_interp_fma_several_rows():
 @interp
 @pytest.mark.parametrize("K", [64, 40])
 def test_interp_dot_kernel(K):
-    from nanoserve.models.triton_ops import LinearConfig
+    from nanoserve.kernels.linear import LinearConfig
 
     # M = 5 padded to 16, N = 20 over blocks of 16
     check_linear(5, 20, K, torch.float32, "cpu", LinearConfig("dot", 16, 16, 16), bias=True, tol=1e-5, seed=3)
@@ -169,7 +171,7 @@ def test_interp_rope_only_odd_half():
 
 
 def test_linear_rule_declines_what_it_cannot_run():
-    from nanoserve.models.triton_ops import MAX_M, linear_config
+    from nanoserve.kernels.linear import MAX_M, linear_config
 
     assert linear_config(1, 4096, 1024, torch.float32) is None  # fp32: cuBLAS (exactness path)
     assert linear_config(MAX_M + 1, 4096, 1024, torch.bfloat16) is None  # prefill-sized M
@@ -182,7 +184,7 @@ def test_linear_rule_above_eight_rows():
     """M = 9..256: split-K only on the narrow matrices it was measured faster on (qwen3 o_proj,
     down), the dot kernel on qwen3's LM head up to 32 rows, cuBLAS for the rest and for every
     llama-3.1-8b shape (not measured there); every split config divides K into whole blocks."""
-    from nanoserve.models.triton_ops import MAX_M, linear_config
+    from nanoserve.kernels.linear import MAX_M, linear_config
 
     qkv, o_proj, gate_up, down, lm_head = QWEN3_SHAPES
     for M in range(9, MAX_M + 1):
@@ -211,18 +213,18 @@ def test_interp_split_k(split, bias):
     over blocks of 16, N = 20 over blocks of 16, K = 200 over 32-wide blocks (the last split is
     masked at K; with 4 splits of 64, the last holds 8 columns). Repeat runs are bit-identical
     and a row's result does not depend on the other rows of the batch."""
-    from nanoserve.models import triton_ops
-    from nanoserve.models.triton_ops import LinearConfig
+    from nanoserve.kernels import linear as klinear
+    from nanoserve.kernels.linear import LinearConfig
 
     config = LinearConfig("dot", 16, 16, 32, split_k=split)
     x, w, b = split_k_case(20, 20, 200, torch.float32, seed=20 + split, bias=bias)
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
     out = torch.full((20, 20), float("nan"))
-    triton_ops.small_m_linear(x, w, b, config, out=out)
+    klinear.small_m_linear(x, w, b, config, out=out)
     assert not torch.isnan(out).any()
     assert rel_err(out, ref) < 1e-6, f"split {split}: relative error {rel_err(out, ref):.2e}"
-    assert torch.equal(triton_ops.small_m_linear(x, w, b, config), out)
-    assert torch.equal(triton_ops.small_m_linear(x[:5], w, b, config), out[:5])
+    assert torch.equal(klinear.small_m_linear(x, w, b, config), out)
+    assert torch.equal(klinear.small_m_linear(x[:5], w, b, config), out[:5])
 
 
 @interp
@@ -230,15 +232,15 @@ def test_interp_split_k_bf16_sums_in_fp32():
     """bf16 inputs, 4 splits: with a bf16 output each element is rounded once (equal to the
     exact sum rounded, up to the interpreter truncating instead of rounding); with an fp32
     output the summed partials come back unrounded (the TP row-parallel path)."""
-    from nanoserve.models import triton_ops
-    from nanoserve.models.triton_ops import LinearConfig
+    from nanoserve.kernels import linear as klinear
+    from nanoserve.kernels.linear import LinearConfig
 
     config = LinearConfig("dot", 16, 32, 64, split_k=4)
     x, w, b = split_k_case(7, 40, 512, torch.bfloat16, seed=30, bias=True)
     exact = x.double() @ w.double().T + b.double()
-    fp32 = triton_ops.small_m_linear(x, w, b, config, out=torch.empty(7, 40))
+    fp32 = klinear.small_m_linear(x, w, b, config, out=torch.empty(7, 40))
     assert rel_err(fp32, exact) < 1e-6
-    rounded = triton_ops.small_m_linear(x, w, b, config)
+    rounded = klinear.small_m_linear(x, w, b, config)
     assert rounded.dtype == torch.bfloat16
     assert ((rounded.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-6).all()
 
@@ -250,32 +252,33 @@ def test_interp_split_k_partials_summed_by_rms_norm(dtype, split):
     """A split-K product's unsummed partials handed to rms_norm (which adds the planes in
     split order, rounds once, then adds the residual and normalises) give exactly what the
     product's own sum kernel followed by rms_norm gives: outputs and the residual sum."""
-    from nanoserve.models import triton_ops
-    from nanoserve.models.triton_ops import LinearConfig
+    from nanoserve.kernels import linear as klinear
+    from nanoserve.kernels import norm as knorm
+    from nanoserve.kernels.linear import LinearConfig
 
     config = LinearConfig("dot", 16, 16, 32, split_k=split)
     x, w, _ = split_k_case(5, 48, 256, dtype, seed=40 + split, bias=False)
     gen = torch.Generator().manual_seed(split)
     residual = torch.randn(5, 48, generator=gen).to(dtype)
     norm_w = (1 + 0.1 * torch.randn(48, generator=gen)).to(dtype)
-    planes = triton_ops.small_m_linear(x, w, None, config, partials_only=True)
+    planes = klinear.small_m_linear(x, w, None, config, partials_only=True)
     assert planes.shape == (split, 5, 48) and planes.dtype == torch.float32
-    fused, fused_sum = triton_ops.rms_norm(planes, norm_w, 1e-6, residual)
-    product = triton_ops.small_m_linear(x, w, None, config)
-    twin, twin_sum = triton_ops.rms_norm(product, norm_w, 1e-6, residual)
+    fused, fused_sum = knorm.rms_norm(planes, norm_w, 1e-6, residual)
+    product = klinear.small_m_linear(x, w, None, config)
+    twin, twin_sum = knorm.rms_norm(product, norm_w, 1e-6, residual)
     assert fused.dtype == dtype and torch.equal(fused, twin) and torch.equal(fused_sum, twin_sum)
     with pytest.raises(ValueError, match="partials_only"):
-        triton_ops.small_m_linear(x, w, None, LinearConfig("dot", 16, 16, 32), partials_only=True)
+        klinear.small_m_linear(x, w, None, LinearConfig("dot", 16, 16, 32), partials_only=True)
 
 
 def test_split_k_only_for_the_dot_kernel():
-    from nanoserve.models import triton_ops
-    from nanoserve.models.triton_ops import LinearConfig
+    from nanoserve.kernels import linear as klinear
+    from nanoserve.kernels.linear import LinearConfig
 
     x, w, _ = split_k_case(2, 8, 64, torch.float32, seed=0, bias=False)
     for bad in (LinearConfig("fma", 2, 8, 32, split_k=2), LinearConfig("dot", 16, 16, 32, split_k=0)):
         with pytest.raises(ValueError, match="split_k"):
-            triton_ops.small_m_linear(x, w, None, bad)
+            klinear.small_m_linear(x, w, None, bad)
 
 
 def capture(step):
@@ -297,21 +300,21 @@ def ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def check_silu_and_mul(M, inter, dtype, device, max_ulps: float, seed: int, strided: bool = False) -> torch.Tensor:
-    """The Triton silu_and_mul against layers.silu_and_mul_plain; returns the fraction of
+    """The Triton silu_and_mul against layers.silu_and_mul_reference; returns the fraction of
     elements that differ. `strided`: gate_up is a column slice of a wider tensor."""
-    from nanoserve.models import triton_ops
-    from nanoserve.models.layers import silu_and_mul_plain
+    from nanoserve.kernels import activation as kact
+    from nanoserve.kernels.activation import silu_and_mul_reference
 
     gen = torch.Generator(device=device).manual_seed(seed)
     wide = (3 * torch.randn(M, 2 * inter + (16 if strided else 0), generator=gen, device=device)).to(dtype)
     gate_up = wide[:, : 2 * inter]
     out = torch.full((M, inter), float("nan"), dtype=dtype, device=device)
-    got = triton_ops.silu_and_mul(gate_up, out=out)
+    got = kact.silu_and_mul(gate_up, out=out)
     assert got.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
-    ref = silu_and_mul_plain(gate_up)
+    ref = silu_and_mul_reference(gate_up)
     worst = ulps(out, ref).max().item()
     assert worst <= max_ulps, f"M={M} I={inter} {dtype}: {worst} units in the last place"
-    fresh = triton_ops.silu_and_mul(gate_up)
+    fresh = kact.silu_and_mul(gate_up)
     assert fresh.shape == (M, inter) and fresh.dtype == dtype and torch.equal(fresh, out)
     return (out != ref).float().mean().item()
 
@@ -333,19 +336,19 @@ def test_interp_silu_and_mul(dtype, max_ulps, M, inter, strided):
 
 
 def test_silu_and_mul_rejects_bad_shapes():
-    from nanoserve.models import triton_ops
+    from nanoserve.kernels import activation as kact
 
     with pytest.raises(ValueError, match="dense last dim"):
-        triton_ops.silu_and_mul(torch.zeros(2, 7))
+        kact.silu_and_mul(torch.zeros(2, 7))
     with pytest.raises(ValueError, match="out must be"):
-        triton_ops.silu_and_mul(torch.zeros(2, 8), out=torch.zeros(2, 8))
+        kact.silu_and_mul(torch.zeros(2, 8), out=torch.zeros(2, 8))
 
 
 # ------------------------------------------------------------------------------ GPU tests
 
 
 def rule_configs():
-    from nanoserve.models.triton_ops import MAX_M, linear_config
+    from nanoserve.kernels.linear import MAX_M, linear_config
 
     seen = {}
     for n, k in QWEN3_SHAPES + LLAMA_SHAPES:
@@ -360,7 +363,7 @@ def rule_configs():
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 9, 16, 32, 48, 64, 100, 128, 192, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_rule_on_model_shapes(M, dtype):
-    from nanoserve.models.triton_ops import linear_config
+    from nanoserve.kernels.linear import linear_config
 
     for i, (n, k) in enumerate(QWEN3_SHAPES + LLAMA_SHAPES):
         config = linear_config(M, n, k, dtype)
@@ -370,7 +373,7 @@ def test_gpu_rule_on_model_shapes(M, dtype):
 
 @gpu
 def test_gpu_every_rule_config_and_both_kernels():
-    from nanoserve.models.triton_ops import LinearConfig
+    from nanoserve.kernels.linear import LinearConfig
 
     configs = dict(rule_configs())
     configs[LinearConfig("fma", 4, 4, 256)] = (3, 1000, 1032)  # ragged N, K not a multiple of 256
@@ -387,19 +390,19 @@ def test_gpu_split_k_deterministic_batch_invariant_fp32_out():
     """The rule's split-K configs on qwen3 o_proj and down: repeat runs bit-identical, the
     first rows of a batch equal to the same rows run alone with the same config, and with an
     fp32 output the unrounded sum (fp32 accuracy against the exact product)."""
-    from nanoserve.models import triton_ops
+    from nanoserve.kernels import linear as klinear
 
     for j, (n, k) in enumerate(QWEN3_SHAPES[1::2]):  # o_proj, down
         for M in (16, 64, 128, 256):
-            config = triton_ops.linear_config(M, n, k, torch.bfloat16)
+            config = klinear.linear_config(M, n, k, torch.bfloat16)
             assert config is not None and config.split_k > 1
             gen = torch.Generator(device="cuda").manual_seed(M + j)
             x = torch.randn(M, k, generator=gen, device="cuda").bfloat16()
             w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).bfloat16()
-            out = triton_ops.small_m_linear(x, w, None, config)
-            assert torch.equal(out, triton_ops.small_m_linear(x, w, None, config))
-            assert torch.equal(out[:9], triton_ops.small_m_linear(x[:9], w, None, config))
-            fp32 = triton_ops.small_m_linear(x, w, None, config, out=torch.empty(M, n, device="cuda"))
+            out = klinear.small_m_linear(x, w, None, config)
+            assert torch.equal(out, klinear.small_m_linear(x, w, None, config))
+            assert torch.equal(out[:9], klinear.small_m_linear(x[:9], w, None, config))
+            fp32 = klinear.small_m_linear(x, w, None, config, out=torch.empty(M, n, device="cuda"))
             assert rel_err(fp32, x.double() @ w.double().T) < 1e-5
             assert torch.equal(fp32.bfloat16(), out)  # one rounding of the same fp32 sum
 
@@ -408,7 +411,7 @@ def test_gpu_split_k_deterministic_batch_invariant_fp32_out():
 @pytest.mark.parametrize("M", [1, 16, 256, 3000])
 @pytest.mark.parametrize("inter", [3072, 14336, 1000])
 def test_gpu_silu_and_mul(M, inter):
-    """bf16 against layers.silu_and_mul_plain (torch's CUDA silu, then the product): expf and
+    """bf16 against layers.silu_and_mul_reference (torch's CUDA silu, then the product): expf and
     division as torch computes them, so at most 1% of the elements may differ (by at most two
     units in the last place: one intermediate rounding the other way)."""
     differ = check_silu_and_mul(M, inter, torch.bfloat16, "cuda", 2, seed=M + inter, strided=M == 16)
@@ -429,34 +432,33 @@ def test_gpu_mlp_graph_replay(pdl):
     SiLU-and-mul (Triton) -> down (the rule's split-K: product + ordered sum, both under PDL
     when on). Every replay on fresh inputs equals an eager call bit for bit and the torch
     reference within bf16 tolerance."""
-    from nanoserve import triton_pdl
+    from nanoserve.kernels.activation import silu_and_mul_reference
+    from nanoserve.kernels.linear import linear_config
     from nanoserve.models import layers
-    from nanoserve.models.layers import silu_and_mul_plain
+    from nanoserve.switches import KernelSwitches
 
     dev = "cuda"
-    old, triton_pdl.PDL = triton_pdl.PDL, pdl
-    try:
-        M, hidden, inter = 64, 1024, 3072
-        assert layers.triton_ops().linear_config(M, hidden, inter, torch.bfloat16).split_k > 1
-        x = torch.randn(M, hidden, device=dev).bfloat16()
-        w_gate_up = (torch.randn(2 * inter, hidden, device=dev) / hidden**0.5).bfloat16()
-        w_down = (torch.randn(hidden, inter, device=dev) / inter**0.5).bfloat16()
+    switches = KernelSwitches(pdl=pdl)
+    M, hidden, inter = 64, 1024, 3072
+    assert linear_config(M, hidden, inter, torch.bfloat16).split_k > 1
+    x = torch.randn(M, hidden, device=dev).bfloat16()
+    w_gate_up = (torch.randn(2 * inter, hidden, device=dev) / hidden**0.5).bfloat16()
+    w_down = (torch.randn(hidden, inter, device=dev) / inter**0.5).bfloat16()
 
-        def step():
-            return layers.linear(layers.silu_and_mul(layers.linear(x, w_gate_up)), w_down)
+    def step():
+        gate_up = layers.linear(x, w_gate_up, switches=switches)
+        return layers.linear(layers.silu_and_mul(gate_up, switches), w_down, switches=switches)
 
-        def reference():
-            return F.linear(silu_and_mul_plain(F.linear(x, w_gate_up)), w_down)
+    def reference():
+        return F.linear(silu_and_mul_reference(F.linear(x, w_gate_up)), w_down)
 
-        graph, out = capture(step)
-        for trial in range(5):
-            x.copy_(torch.randn_like(x))
-            graph.replay()
-            err = rel_err(out, reference())
-            assert err < 1e-2, f"replay {trial}: relative error {err:.2e}"
-            assert torch.equal(out, step()), f"replay {trial} differs from eager"
-    finally:
-        triton_pdl.PDL = old
+    graph, out = capture(step)
+    for trial in range(5):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        err = rel_err(out, reference())
+        assert err < 1e-2, f"replay {trial}: relative error {err:.2e}"
+        assert torch.equal(out, step()), f"replay {trial} differs from eager"
 
 
 @gpu
@@ -479,7 +481,9 @@ def test_gpu_layers_dispatch_matches_torch_twins():
     """The layers' CUDA dispatch (Triton) against the same layers with the kernels off."""
     from nanoserve.models import layers
     from nanoserve.models.layers import RMSNorm, RotaryEmbedding
+    from nanoserve.switches import KernelSwitches
 
+    off = KernelSwitches(triton_ops=False)
     torch.manual_seed(0)
     dev = "cuda"
     w = (torch.randn(4096, 1024, device=dev) / 32).bfloat16()
@@ -494,31 +498,28 @@ def test_gpu_layers_dispatch_matches_torch_twins():
         q, k = qkv[:, :2048].view(M, 16, 128), qkv[:, 2048:3072].view(M, 8, 128)
         pos = torch.randint(0, 4096, (M,), device=dev)
         fast = rot(pos, q, k, qn, kn)
-        old, layers.TRITON_OPS = layers.TRITON_OPS, False
-        try:
-            slow = rot(pos, q, k, qn, kn)
-        finally:
-            layers.TRITON_OPS = old
+        for module in (rot, qn, kn):
+            module.switches = off
+        slow = rot(pos, q, k, qn, kn)
+        for module in (rot, qn, kn):
+            del module.switches  # back to the class default (kernels on)
         for a, b in zip(fast, slow):
             assert rel_err(a, b) < 1e-2
         gate_up = torch.randn(M, 2 * 3072, device=dev).bfloat16()
         fast = layers.silu_and_mul(gate_up)
-        old, layers.TRITON_OPS = layers.TRITON_OPS, False
-        try:
-            slow = layers.silu_and_mul(gate_up)
-        finally:
-            layers.TRITON_OPS = old
+        slow = layers.silu_and_mul(gate_up, off)
         assert rel_err(fast, slow) < 1e-2
         assert rel_err(layers.silu_and_mul(gate_up.view(M, 1, -1)).view(M, -1), slow) < 1e-2  # 3-D: torch path
 
 
 @gpu
-def test_gpu_split_k_sum_in_norm_matches_sum_kernel(monkeypatch):
+def test_gpu_split_k_sum_in_norm_matches_sum_kernel():
     """On one GPU a split-K row-parallel product (qwen3 o_proj / down at 9..256 rows) hands its
     partials to the next RMSNorm: bit-identical to the sum kernel + norm, in a graph too."""
-    from nanoserve.models import layers
     from nanoserve.models.layers import RMSNorm, RowParallelLinear, SplitKPartials
+    from nanoserve.switches import KernelSwitches
 
+    in_norm, own_sum = KernelSwitches(split_sum_in_norm=True), KernelSwitches(split_sum_in_norm=False)
     torch.manual_seed(1)
     dev = "cuda"
     for K in (2048, 3072):
@@ -529,23 +530,23 @@ def test_gpu_split_k_sum_in_norm_matches_sum_kernel(monkeypatch):
         for M in (9, 64, 200, 256):
             x = torch.randn(M, K, device=dev).bfloat16()
             residual = torch.randn(M, 1024, device=dev).bfloat16()
-            monkeypatch.setattr(layers, "SPLIT_SUM_IN_NORM", True)
+            lin.switches = in_norm
             partials = lin(x)
             assert isinstance(partials, SplitKPartials), (K, M)
             fused = norm(partials, residual)
-            monkeypatch.setattr(layers, "SPLIT_SUM_IN_NORM", False)
+            lin.switches = own_sum
             product = lin(x)
             assert isinstance(product, torch.Tensor)
             twin = norm(product, residual)
             assert torch.equal(fused[0], twin[0]) and torch.equal(fused[1], twin[1]), (K, M)
-            monkeypatch.setattr(layers, "SPLIT_SUM_IN_NORM", True)
+            lin.switches = in_norm
             graph = torch.cuda.CUDAGraph()
             lin(x), norm(lin(x), residual)  # compile outside the capture
             with torch.cuda.graph(graph):
                 captured = norm(lin(x), residual)
             x.copy_(torch.randn_like(x))
             graph.replay()
-            monkeypatch.setattr(layers, "SPLIT_SUM_IN_NORM", False)
+            lin.switches = own_sum
             twin = norm(lin(x), residual)
             assert torch.equal(captured[0], twin[0]) and torch.equal(captured[1], twin[1]), (K, M)
 
@@ -557,45 +558,42 @@ def test_gpu_graph_replay_chain(pdl):
     each kernel starts before the previous one ends): every replay on fresh inputs equals
     the torch reference of those inputs (a kernel reading its input too early would see
     the previous replay's values) and an eager call bit for bit."""
-    from nanoserve import triton_pdl
-    from nanoserve.models import triton_ops
-    from nanoserve.models.layers import add_rms_norm_plain
+    from nanoserve.kernels import linear as klinear
+    from nanoserve.kernels import norm as knorm
+    from nanoserve.kernels import rotary as krotary
+    from nanoserve.kernels.norm import add_rms_norm_reference
 
     dev = "cuda"
-    old, triton_pdl.PDL = triton_pdl.PDL, pdl
-    try:
-        h = torch.randn(1, 1024, device=dev).bfloat16()
-        res = torch.randn(1, 1024, device=dev).bfloat16()
-        nw = (1 + 0.1 * torch.randn(1024, device=dev)).bfloat16()
-        w = (torch.randn(4096, 1024, device=dev) / 32).bfloat16()
-        _, _, pos, cos, sin, qw, kw = make_qk(1, 16, 8, 128, torch.bfloat16, dev, seed=7, max_pos=64)
-        config = triton_ops.linear_config(1, 4096, 1024, torch.bfloat16)
+    h = torch.randn(1, 1024, device=dev).bfloat16()
+    res = torch.randn(1, 1024, device=dev).bfloat16()
+    nw = (1 + 0.1 * torch.randn(1024, device=dev)).bfloat16()
+    w = (torch.randn(4096, 1024, device=dev) / 32).bfloat16()
+    _, _, pos, cos, sin, qw, kw = make_qk(1, 16, 8, 128, torch.bfloat16, dev, seed=7, max_pos=64)
+    config = klinear.linear_config(1, 4096, 1024, torch.bfloat16)
 
-        def step():
-            normed, total = triton_ops.rms_norm(h, nw, 1e-6, res)
-            qkv = triton_ops.small_m_linear(normed, w, None, config)
-            q, k = qkv[:, :2048].view(1, 16, 128), qkv[:, 2048:3072].view(1, 8, 128)
-            return (total, qkv, *triton_ops.qk_norm_rope(pos, q, k, cos, sin, qw, kw))
+    def step():
+        normed, total = knorm.rms_norm(h, nw, 1e-6, res, pdl=pdl)
+        qkv = klinear.small_m_linear(normed, w, None, config, pdl=pdl)
+        q, k = qkv[:, :2048].view(1, 16, 128), qkv[:, 2048:3072].view(1, 8, 128)
+        return (total, qkv, *krotary.qk_norm_rope(pos, q, k, cos, sin, qw, kw, pdl=pdl))
 
-        def reference():
-            normed, total = add_rms_norm_plain(h, res, nw, 1e-6)
-            qkv = F.linear(normed, w)
-            q, k = qkv[:, :2048].view(1, 16, 128), qkv[:, 2048:3072].view(1, 8, 128)
-            q, k = rope_plain(pos, rms_norm_plain(q, qw, 1e-6), rms_norm_plain(k, kw, 1e-6), cos, sin)
-            return total, qkv, q, k
+    def reference():
+        normed, total = add_rms_norm_reference(h, res, nw, 1e-6)
+        qkv = F.linear(normed, w)
+        q, k = qkv[:, :2048].view(1, 16, 128), qkv[:, 2048:3072].view(1, 8, 128)
+        q, k = rope_reference(pos, rms_norm_reference(q, qw, 1e-6), rms_norm_reference(k, kw, 1e-6), cos, sin)
+        return total, qkv, q, k
 
-        graph, outs = capture(step)
-        for trial in range(5):
-            h.copy_(torch.randn_like(h))
-            res.copy_(torch.randn_like(res))
-            pos.copy_(torch.randint(0, 64, pos.shape, device=dev))
-            graph.replay()
-            for a, b in zip(outs, reference()):
-                assert rel_err(a, b) < 2e-2, f"replay {trial}: relative error {rel_err(a, b):.2e}"
-            for a, b in zip(outs, step()):
-                assert torch.equal(a, b), f"replay {trial} differs from eager"
-    finally:
-        triton_pdl.PDL = old
+    graph, outs = capture(step)
+    for trial in range(5):
+        h.copy_(torch.randn_like(h))
+        res.copy_(torch.randn_like(res))
+        pos.copy_(torch.randint(0, 64, pos.shape, device=dev))
+        graph.replay()
+        for a, b in zip(outs, reference()):
+            assert rel_err(a, b) < 2e-2, f"replay {trial}: relative error {rel_err(a, b):.2e}"
+        for a, b in zip(outs, step()):
+            assert torch.equal(a, b), f"replay {trial} differs from eager"
 
 
 @gpu
@@ -606,35 +604,30 @@ def test_gpu_engine_greedy_kernels_on_vs_off():
     the other run's top-5, and at least 75% of prompts identical (the cross-kernel bar of
     test_gpu_fastpath.py)."""
     from nanoserve import LLM, SamplingParams
-    from nanoserve.models import layers
+    from nanoserve.switches import KernelSwitches
     from tests.test_gpu_fastpath import compare, make_prompts
 
     prompts = make_prompts(16, seed=7)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     runs = {}
-    old = layers.TRITON_OPS
-    try:
-        for ops in (True, False):
-            layers.TRITON_OPS = ops
-            llm = LLM(
-                "qwen3-0.6b", load_format="dummy", dtype="bfloat16", max_model_len=512, kv_cache_tokens=16384,
-                max_num_seqs=1, enforce_eager=True, overlap_schedule=False,
-            )  # fmt: skip
-            with torch.inference_mode():
-                outs = llm.generate(prompts, params, use_tqdm=False)
-            runs[ops] = (
-                [o.outputs[0].token_ids for o in outs],
-                [[lp.top for lp in o.outputs[0].logprobs] for o in outs],
-            )
-            del llm
-    finally:
-        layers.TRITON_OPS = old
+    for ops in (True, False):
+        llm = LLM(
+            "qwen3-0.6b", load_format="dummy", dtype="bfloat16", max_model_len=512, kv_cache_tokens=16384,
+            max_num_seqs=1, enforce_eager=True, overlap_schedule=False, switches=KernelSwitches(triton_ops=ops),
+        )  # fmt: skip
+        with torch.inference_mode():
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[ops] = (
+            [o.outputs[0].token_ids for o in outs],
+            [[lp.top for lp in o.outputs[0].logprobs] for o in outs],
+        )
+        del llm
     compare(runs[True], runs[False], "Triton decode kernels on vs off", min_identical=0.75)
 
 
 def check_rms_norm(tokens, n, dtype, device, residual: bool, tol: float, seed=0) -> None:
-    from nanoserve.models import triton_ops
-    from nanoserve.models.layers import add_rms_norm_plain
+    from nanoserve.kernels import norm as knorm
+    from nanoserve.kernels.norm import add_rms_norm_reference
 
     gen = torch.Generator(device=device).manual_seed(seed)
     x = (3 * torch.randn(tokens, n, generator=gen, device=device)).to(dtype)
@@ -642,14 +635,14 @@ def check_rms_norm(tokens, n, dtype, device, residual: bool, tol: float, seed=0)
     w = (1 + 0.1 * torch.randn(n, generator=gen, device=device)).to(dtype)
     eps = 1e-6
     if residual:
-        got, got_sum = triton_ops.rms_norm(x, w, eps, r)
-        twin, twin_sum = add_rms_norm_plain(x, r, w, eps)
+        got, got_sum = knorm.rms_norm(x, w, eps, r)
+        twin, twin_sum = add_rms_norm_reference(x, r, w, eps)
         assert torch.equal(got_sum, twin_sum)  # one rounding of the same sum
-        exact = rms_norm_plain((x.double() + r.double()), w.double(), eps)
+        exact = rms_norm_reference((x.double() + r.double()), w.double(), eps)
     else:
-        got = triton_ops.rms_norm(x, w, eps)
-        twin = rms_norm_plain(x, w, eps)
-        exact = rms_norm_plain(x.double(), w.double(), eps)
+        got = knorm.rms_norm(x, w, eps)
+        twin = rms_norm_reference(x, w, eps)
+        exact = rms_norm_reference(x.double(), w.double(), eps)
     assert got.shape == x.shape and got.dtype == dtype and not torch.isnan(got).any()
     assert rel_err(got, exact) < tol, f"relative error {rel_err(got, exact):.2e} against float64"
     assert rel_err(got, twin) < tol, f"relative error {rel_err(got, twin):.2e} against the torch twin"

@@ -184,7 +184,7 @@ ON_GPU = pytest.param("cuda", marks=pytest.mark.gpu)
 
 
 def kernels():
-    from nanoserve.engine import sample_kernels
+    from nanoserve.kernels import sampling as sample_kernels
 
     return sample_kernels
 
@@ -264,6 +264,8 @@ def test_fused_draw_is_the_inverse_cdf_of_its_uniform(device, monkeypatch):
         assert torch.all((lo - slack <= target) & (target <= hi + slack)), "token is not where the CDF passes u"
         exact = (lo <= target) & (target < hi)
         assert exact.double().mean() > 0.95
+        reference = kernels().sample_reference(x, temps, u)
+        assert (reference == tokens).double().mean() > 0.95
         assert torch.equal(tokens, kernels().fused_sample(x, temps, seed=11, step=step, programs=1))
     assert uniform_ks(torch.cat(uniforms)) < 2.5
 
@@ -369,11 +371,8 @@ def test_sampler_uses_the_kernel_only_where_it_applies(device):
 
 @pytest.mark.gpu
 def test_sampler_on_cuda_is_fused_by_default_and_never_syncs(monkeypatch):
-    from nanoserve.engine import sampler as sampler_module
-
     assert Sampler(torch.device("cuda"), 0).fused
-    monkeypatch.setattr(sampler_module, "FUSED_SAMPLER", False)  # NANOSERVE_FUSED_SAMPLER=0
-    assert not Sampler(torch.device("cuda"), 0).fused
+    assert not Sampler(torch.device("cuda"), 0, fused=False).fused  # KernelSwitches.fused_sampler off
     sampler = Sampler(torch.device("cuda"), 0, fused=True)
     logits = torch.randn(256, 151936, device="cuda").bfloat16()
     rows = plain_rows([0.6] * 200 + [0.0] * 56)

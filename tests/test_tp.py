@@ -210,16 +210,17 @@ def test_server_tp2_serves_and_exits_when_a_rank_dies(model_dirs):
 
 
 @pytest.mark.parametrize("teardown", ["abort", "destroy"])
-def test_shutdown_ends_workers_and_groups(model_dirs, teardown, monkeypatch):
-    """Either teardown (process_group.TEARDOWN; the spawned worker reads it from the
-    environment) stops the worker within the grace period and leaves no process group, so
-    the process can start another tensor-parallel engine."""
-    from nanoserve.distributed import process_group
+def test_shutdown_ends_workers_and_groups(model_dirs, teardown):
+    """Either teardown (KernelSwitches.tp_teardown, which the spawned worker receives in the
+    config) stops the worker within the grace period and leaves no process group, so the
+    process can start another tensor-parallel engine."""
     from nanoserve.distributed.tp_runner import SHUTDOWN_GRACE_S
+    from nanoserve.switches import KernelSwitches
 
-    monkeypatch.setenv("NANOSERVE_TP_TEARDOWN", teardown)
-    monkeypatch.setattr(process_group, "TEARDOWN", teardown)
-    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, dist_timeout_s=TIMEOUT_S, **ENGINE)
+    switches = KernelSwitches(tp_teardown=teardown)
+    llm = LLM(
+        str(model_dirs["llama"]), tensor_parallel_size=2, dist_timeout_s=TIMEOUT_S, switches=switches, **ENGINE
+    )
     (pid,) = llm.engine.runner.worker_pids
     llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     started = time.monotonic()
@@ -362,12 +363,12 @@ def _fp32_out_error(m: int, n: int, k: int, device: str, run) -> float:
 def test_small_m_linear_writes_fp32_partials(m):
     """The Triton small-M kernel that RowParallelLinear uses at TP > 1 for decode batches,
     given an fp32 output: fp32 sums of bf16 products, not rounded to bf16 (interpreter)."""
-    from nanoserve.models import triton_ops
+    from nanoserve.kernels import linear as klinear
 
     def run(x, w):
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-        config = triton_ops.LinearConfig("fma", 1, 8, 64) if m == 1 else triton_ops.LinearConfig("dot", 16, 32, 64)
-        return triton_ops.small_m_linear(x, w, None, config, out=out)
+        config = klinear.LinearConfig("fma", 1, 8, 64) if m == 1 else klinear.LinearConfig("dot", 16, 32, 64)
+        return klinear.small_m_linear(x, w, None, config, out=out)
 
     assert _fp32_out_error(m, 48, 256, "cpu", run) < 1e-6  # bf16 outputs would be ~2e-3 off
 
@@ -462,7 +463,6 @@ def test_symm_protocol_rule():
 def test_symm_push_offer_rule(monkeypatch):
     """The matmul is offered the LL send only for one-row LL sums of 2-byte partials, and a
     slot's new partials void any earlier offer (else a later sum would skip its send: a hang)."""
-    from nanoserve.distributed import symm_all_reduce
     from nanoserve.distributed.symm_all_reduce import SymmAllReduce
 
     max_bytes = 2**20
@@ -479,14 +479,14 @@ def test_symm_push_offer_rule(monkeypatch):
     assert symm.partial_out(1, 4096, torch.bfloat16, 0) is None and not symm._pushes  # voided
     assert offer(rows=2)[1] is None and offer(dtype=torch.float32)[1] is None and offer("pull")[1] is None
     assert offer()[0].ll_push(None) is None
-    monkeypatch.setattr(symm_all_reduce, "PUSH_IN_MATMUL", False)
-    assert offer()[1] is None
+    symm = SymmAllReduce(buf, [buf.data_ptr()] * 2, 1, max_bytes, "auto", push_in_matmul=False)
+    assert symm.ll_push(torch.zeros(1, 4096, dtype=torch.bfloat16)) is None
 
 
 def _interpreted_rank_call(rank, parts, flags, epochs, residual, weight, eps):
     """One fused call as rank `rank` of len(parts), its peers simulated by plain tensors:
     parts[q] is rank q's slot holding its partials."""
-    from nanoserve.models.triton_ops import all_reduce_rms_norm
+    from nanoserve.kernels.all_reduce import all_reduce_rms_norm
 
     addrs = torch.tensor([p.data_ptr() for p in parts], dtype=torch.int64)
     flag_addrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
@@ -545,8 +545,8 @@ def test_ll_all_reduce_rms_norm_kernel_interpreted(rank, dtype):
     4 programs), bf16 partials travel two to a word, and a call without a residual (the
     embedding's sum) gives the plain sum and its norm. Integer-valued inputs keep every sum
     exact, so the sums compare bit for bit in both dtypes."""
+    from nanoserve.kernels.all_reduce import ll_all_reduce_rms_norm
     from nanoserve.models.layers import add_rms_norm_plain, rms_norm_plain
-    from nanoserve.models.triton_ops import ll_all_reduce_rms_norm
 
     gen = torch.Generator().manual_seed(rank)
     rows, width, programs, eps = 6, 48, 4, 1e-6
@@ -587,8 +587,9 @@ def test_one_row_matmul_pushes_its_words_interpreted(rank, block_n):
     stores its result locally and, as LL words under the next call's count, into the peer's
     receive buffer, leaving the counts alone; the LL sum told `sent` then stores nothing
     itself and sums as usual. Integer-valued bf16 operands: exact products."""
+    from nanoserve.kernels.all_reduce import ll_all_reduce_rms_norm
+    from nanoserve.kernels.linear import LinearConfig, can_push, small_m_linear
     from nanoserve.models.layers import add_rms_norm_plain
-    from nanoserve.models.triton_ops import LinearConfig, can_push, ll_all_reduce_rms_norm, small_m_linear
 
     gen = torch.Generator().manual_seed(10 + rank)
     n, k, eps, peer = 48, 64, 1e-6, 1 - rank
@@ -673,21 +674,22 @@ def test_row_parallel_partials_sum_in_the_norm():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
-def _symm_rank(rank: int, world: int, addr: str) -> None:
+def _symm_rank(rank: int, world: int, addr: str, protocol: str) -> None:
     """One rank of test_fused_all_reduce_rms_norm_matches_nccl_on_gpus (spawned)."""
     import torch.distributed as dist
 
     from nanoserve.distributed import TPGroup
     from nanoserve.distributed.process_group import destroy_distributed, init_distributed
     from nanoserve.distributed.symm_all_reduce import setup_symm_all_reduce
-    from nanoserve.models.triton_ops import rms_norm
+    from nanoserve.kernels.norm import rms_norm
+    from nanoserve.switches import KernelSwitches
 
     device = torch.device(f"cuda:{rank}")
     ctx = init_distributed(rank, world, rank, addr, device, timeout_s=60)
     try:
-        symm = setup_symm_all_reduce(ctx, single_host=True)
+        symm = setup_symm_all_reduce(ctx, single_host=True, switches=KernelSwitches(symm_protocol=protocol))
         assert symm is not None, "the symmetric-memory all-reduce did not set up (see the log)"
-        assert symm.protocol == os.environ["NANOSERVE_SYMM_PROTOCOL"]
+        assert symm.protocol == protocol
         tp = TPGroup(rank, world, symm)
         g = torch.Generator(device=device).manual_seed(1234 + rank)  # different partials on each rank
         shared = torch.Generator(device=device).manual_seed(99)  # the same residual and weight everywhere
@@ -798,7 +800,7 @@ def _symm_rank(rank: int, world: int, addr: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("protocol", ["auto", "ll", "pull"])
-def test_fused_all_reduce_rms_norm_matches_nccl_on_gpus(protocol, monkeypatch):
+def test_fused_all_reduce_rms_norm_matches_nccl_on_gpus(protocol):
     """The fused all-reduce + residual add + RMSNorm over symmetric memory against NCCL's
     all-reduce followed by rms_norm, on random bf16 and fp32 partials (1..256 x 4096): the
     same bits, the same on every rank, eagerly and replayed 20 times from a CUDA graph of 8
@@ -811,6 +813,4 @@ def test_fused_all_reduce_rms_norm_matches_nccl_on_gpus(protocol, monkeypatch):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # never multicast (shared hosts)
-    monkeypatch.setenv("NANOSERVE_SYMM_MEM", "1")  # the spawned ranks inherit these
-    monkeypatch.setenv("NANOSERVE_SYMM_PROTOCOL", protocol)
-    mp.spawn(_symm_rank, args=(2, f"127.0.0.1:{free_port()}"), nprocs=2, join=True)
+    mp.spawn(_symm_rank, args=(2, f"127.0.0.1:{free_port()}", protocol), nprocs=2, join=True)

@@ -151,7 +151,7 @@ interp = pytest.mark.skipif(
 @interp
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_interp_decode_gqa3_splits(page_size):
-    from nanoserve.attention import triton_kernels as tk
+    from nanoserve.kernels import attention as tk
 
     assert tk.INTERPRET  # the kernels run in the interpreter, on the CPU tensors below
     lens = [1, 37, 70, 5]
@@ -196,7 +196,7 @@ def test_interp_extend_head_dim_not_pow2():
 
 @interp
 def test_interp_store_skips_negative_slots():
-    from nanoserve.attention import triton_kernels as tk
+    from nanoserve.kernels import attention as tk
 
     k_cache = torch.zeros(3, 4, 2, 16)
     v_cache = torch.zeros(3, 4, 2, 16)

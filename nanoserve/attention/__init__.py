@@ -15,7 +15,7 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "ge
 
 
 def get_backend(name: str, device: torch.device | str = "cpu", **kwargs) -> AttentionBackend:
-    """kwargs go to the triton backend's constructor (max_num_reqs, max_splits, use_fa2)."""
+    """kwargs go to the triton backend's constructor (max_num_reqs, max_splits, use_fa2, switches)."""
     if name == "auto":
         name = "torch"
         if torch.device(device).type == "cuda":

@@ -29,15 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class CascadeInputs:
-    """Device side of a `nanoserve.attention.cascade.CascadePlan` (int32 tensors)."""
-
-    prefix_len: torch.Tensor  # [B] positions of request b read by its group's prefix pass (0: none)
-    num_parts: torch.Tensor  # [B] partial results the prefix pass gives request b
-    members: torch.Tensor  # [B] batch rows, each group's members contiguous
-    items: torch.Tensor  # [W, len(ITEM_FIELDS)] work items; unused ones have count 0
+from nanoserve.kernels.attention import CascadeInputs
 
 
 @dataclass

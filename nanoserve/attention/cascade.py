@@ -37,12 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# A work item's int32 fields, in this order: the group's first entry in `members`, the
-# member count, the batch row whose page table the item reads (any member's: they agree on
-# the prefix), the token range [lo, hi), and which of the group's parts it is.
-ITEM_FIELDS = ("first_member", "count", "table_row", "lo", "hi", "part")
-# The most parts one group's prefix is split into (the reduce reads this many extra columns).
-MAX_CASCADE_PARTS = 8
+from nanoserve.kernels.attention import ITEM_FIELDS, MAX_CASCADE_PARTS  # the kernel's work-item format
+
 # A prefix shorter than this is not worth a separate pass: a member reading it again costs
 # less than the pass's launch and merge.
 MIN_CASCADE_TOKENS = 256

@@ -15,24 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.attention.base import AttentionBackend, AttentionMetadata
-
-
-def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write the new tokens' K/V into their cache slots."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
-
-
-def gather_kv(cache: torch.Tensor, page_table: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-    """[B, max_seq_len, num_kv_heads, head_dim]: the first max_seq_len positions of every
-    request (positions past a request's length hold whatever its table points at)."""
-    page_size = cache.shape[1]
-    positions = torch.arange(max_seq_len, device=cache.device)
-    slots = page_table[:, positions // page_size].long() * page_size + positions % page_size
-    return cache.view(-1, cache.shape[2], cache.shape[3])[slots]
+from nanoserve.kernels.attention import gather_kv, store_kv_reference
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -58,11 +41,11 @@ class TorchAttentionBackend(AttentionBackend):
         self._new_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # see forward
 
     def store_kv(self, k_cache, v_cache, k, v, slot_mapping):
-        store_kv(k_cache, v_cache, k, v, slot_mapping)
+        store_kv_reference(k_cache, v_cache, k, v, slot_mapping)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, kv_stored=False):
         if not kv_stored:
-            store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            store_kv_reference(k_cache, v_cache, k, v, meta.slot_mapping)
         num_reqs, max_q = self._shape
         num_q_heads, head_dim = q.shape[1], q.shape[2]
         group = num_q_heads // k_cache.shape[2]

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.attention import triton_kernels as tk
 from nanoserve.attention.base import AttentionBackend, AttentionMetadata
-from nanoserve.attention.cascade import MAX_CASCADE_PARTS
+from nanoserve.kernels import attention as tk
+from nanoserve.kernels.attention import MAX_CASCADE_PARTS
+from nanoserve.switches import KernelSwitches
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -32,11 +33,19 @@ class TritonAttentionBackend(AttentionBackend):
     max_splits: cap on decode splits per (request, kv head).
     use_fa2: use torch's FlashAttention-2 varlen for prefill batches with no cached prefix
         (bf16/fp16 on CUDA); otherwise the Triton extend kernel handles every prefill.
+    switches: the kernel switches it obeys (decode launch order, PDL).
     """
 
     name = "triton"
 
-    def __init__(self, max_num_reqs: int = 256, max_splits: int = 32, use_fa2: bool = True):
+    def __init__(
+        self,
+        max_num_reqs: int = 256,
+        max_splits: int = 32,
+        use_fa2: bool = True,
+        switches: KernelSwitches | None = None,
+    ):
+        self.switches = switches if switches is not None else KernelSwitches()
         self.max_num_reqs = max_num_reqs
         self.max_splits = max_splits
         self.use_fa2 = use_fa2
@@ -108,13 +117,13 @@ class TritonAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------------------- forward
 
     def store_kv(self, k_cache, v_cache, k, v, slot_mapping):
-        tk.store_kv(k_cache, v_cache, k, v, slot_mapping)
+        tk.store_kv(k_cache, v_cache, k, v, slot_mapping, pdl=self.switches.pdl)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, kv_stored=False, out: torch.Tensor | None = None):
         """As the base class; `out` ([T, Hq, D], q's dtype, dense last dim) is an optional
         preallocated result buffer (tests poison it to catch unwritten elements)."""
         if not kv_stored:
-            tk.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            tk.store_kv(k_cache, v_cache, k, v, meta.slot_mapping, pdl=self.switches.pdl)
         if not meta.is_decode and self._no_prefix and self.use_fa2 and q.is_cuda and q.dtype in _FA2_DTYPES:
             result = _fa2_varlen(q, k, v, meta, scale)
             return result if out is None else out.copy_(result)
@@ -129,7 +138,18 @@ class TritonAttentionBackend(AttentionBackend):
             if cols > 1:
                 ws = self._get_workspace(tk.workspace_numel(batch, num_q_heads, head_dim, cols), q.device)
             return tk.paged_decode(
-                q, k_cache, v_cache, meta.page_table, meta.seq_lens, scale, splits, ws, out, meta.cascade
+                q,
+                k_cache,
+                v_cache,
+                meta.page_table,
+                meta.seq_lens,
+                scale,
+                splits,
+                ws,
+                out,
+                meta.cascade,
+                heads_first=self.switches.decode_heads_first,
+                pdl=self.switches.pdl,
             )
         return tk.paged_extend(
             q,

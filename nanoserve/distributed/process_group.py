@@ -95,21 +95,17 @@ def init_distributed(
     return DistContext(rank, world_size, local_rank, device, control, timeout)
 
 
-# How a rank ends its groups at shutdown: "abort" (each communicator aborted, which is local;
-# 2 x H200, TP=2: shutdown 1.2 s) or "destroy" (destroy_process_group: NCCL finalizes its
-# communicators, which can wait on the peers; 20.2 s, two grace periods). For A/B:
-# NANOSERVE_TP_TEARDOWN.
-TEARDOWN = os.environ.get("NANOSERVE_TP_TEARDOWN", "abort")
-
-
-def destroy_distributed() -> None:
+def destroy_distributed(teardown: str = "abort") -> None:
     """End this process's process groups (no-op when there are none); errors of a broken group
-    (a dead peer) are swallowed: the process is ending its part either way."""
+    (a dead peer) are swallowed: the process is ending its part either way. `teardown`
+    (KernelSwitches.tp_teardown): "abort" (each communicator aborted, which is local;
+    2 x H200, TP=2: shutdown 1.2 s) or "destroy" (destroy_process_group: NCCL finalizes its
+    communicators, which can wait on the peers; 20.2 s, two grace periods)."""
     if not dist.is_initialized():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     try:
-        if TEARDOWN == "abort" and abort is not None:
+        if teardown == "abort" and abort is not None:
             # Each group aborted on its own first, newest first: torch's abort of all groups
             # at once wraps them in one NCCL group call, which on 2 x H200 outlived a 2 s
             # bound at rank 0, while one group at a time took 0.55 s. The call after it only

@@ -10,7 +10,7 @@ the LL receive buffers; the rule for which sums use it and over which protocol; 
 call) and `setup_symm_all_reduce` (the collective set-up that every rank runs, with its
 fallback to NCCL).
 
-Two protocols (`protocol()`, NANOSERVE_SYMM_PROTOCOL): "pull" publishes a flag per program
+Two protocols (KernelSwitches.symm_protocol, NANOSERVE_SYMM_PROTOCOL): "pull" publishes a flag per program
 and then reads the peers' slots over NVLink (a release, a flag's trip, a read's round trip);
 "ll" (low latency) stores this rank's partials into every peer's receive buffer as 64-bit
 words, 32 bits of data under the call count, and polls its own receive buffer until every
@@ -86,9 +86,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nanoserve.kernels.all_reduce import all_reduce_rms_norm, ll_all_reduce_rms_norm
+from nanoserve.switches import KernelSwitches
+
 log = logging.getLogger("nanoserve")
 
-DEFAULT_MAX_BYTES = 256 * 4096 * 4  # 256 decode rows of a 4096-wide fp32 partial sum
+DEFAULT_MAX_BYTES = KernelSwitches.symm_mem_max_bytes  # 256 decode rows of a 4096-wide fp32 partial sum
 SLOTS = 2  # o_proj's partials in slot 0, down_proj's in slot 1 (see the module docstring)
 MAX_PROGRAMS = 128  # programs per fused call (each takes rows p, p + 128, ...): all co-resident
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -100,22 +103,11 @@ def fits(nbytes: int, dtype: torch.dtype, max_bytes: int) -> bool:
     return dtype in _DTYPES and 0 < nbytes <= max_bytes
 
 
-def enabled() -> bool:
-    return os.environ.get("NANOSERVE_SYMM_MEM", "1") != "0"
-
-
-def protocol() -> str:
-    """How the fused kernel exchanges partials (NANOSERVE_SYMM_PROTOCOL): "ll", each rank
-    pushes its partials into its peers' receive buffers as 64-bit words tagged with the call
-    count (no flags, no reads over NVLink; twice the bytes on the wire); "pull", flags then
-    reads of the peers' slots; "auto" (default), LL for partials of at most LL_MAX_BYTES,
-    pull above (see LL_MAX_BYTES)."""
-    name = os.environ.get("NANOSERVE_SYMM_PROTOCOL", "auto")
-    if name not in ("auto", "ll", "pull"):
-        raise ValueError(f"NANOSERVE_SYMM_PROTOCOL={name!r}: expected 'auto', 'll' or 'pull'")
-    return name
-
-
+# How the fused kernel exchanges partials (KernelSwitches.symm_protocol): "ll", each rank
+# pushes its partials into its peers' receive buffers as 64-bit words tagged with the call
+# count (no flags, no reads over NVLink; twice the bytes on the wire); "pull", flags then
+# reads of the peers' slots; "auto" (default), LL for partials of at most LL_MAX_BYTES,
+# pull above (see LL_MAX_BYTES).
 # Measured on 2 x H200 (RESULTS.md, seventh round; one sum in a graph of 64, [rows, 4096] bf16,
 # us): LL 4.5 / 4.9 / 7.4 / 16.9 vs pull 6.4 / 6.7 / 8.2 / 13.5 at 1 / 8 / 64 / 256 rows; in the
 # engine (llama-3.1-8b TP=2 decode step) LL 2.78 vs 2.91 ms at batch 1, 6.15 vs 5.98 at 256.
@@ -123,8 +115,8 @@ LL_MAX_BYTES = 64 * 4096 * 2
 
 
 # A one-row LL sum's words are stored by the matmul that computes the partials, as each of
-# its programs finishes (NANOSERVE_SYMM_PUSH=0: by the sum's kernel, after the whole matmul).
-PUSH_IN_MATMUL = os.environ.get("NANOSERVE_SYMM_PUSH", "1") != "0"
+# its programs finishes (`push_in_matmul`, KernelSwitches.symm_push; off: by the sum's
+# kernel, after the whole matmul).
 
 
 @dataclass
@@ -148,11 +140,22 @@ class SymmAllReduce:
     the LL protocol's receive buffers: per slot, per source rank, 2 x `max_bytes` (each
     4 bytes of partials travel in an 8-byte word)."""
 
-    def __init__(self, buffer: torch.Tensor, peer_bases: list[int], rank: int, max_bytes: int, protocol: str = "auto"):
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        peer_bases: list[int],
+        rank: int,
+        max_bytes: int,
+        protocol: str = "auto",
+        push_in_matmul: bool = True,
+        pdl: bool = True,
+    ):
         self.buffer = buffer  # uint8 [buffer_bytes(max_bytes, world)], rendezvoused on every rank
         self.rank = rank
         self.max_bytes = max_bytes
         self.protocol = protocol
+        self.push_in_matmul = push_in_matmul
+        self.pdl = pdl
         world = len(peer_bases)
         device = buffer.device
         self.slot_addrs = [  # per slot: its address in every rank's buffer, rank order
@@ -200,9 +203,9 @@ class SymmAllReduce:
 
     def ll_push(self, part: torch.Tensor | None) -> LLPush | None:
         """An offer to the matmul about to write `part` (a `partial_out` view) to send the words
-        itself (`triton_ops.small_m_linear(push=...)`, which sets `sent`): for one-row LL sums of
+        itself (`kernels.linear.small_m_linear(push=...)`, which sets `sent`): for one-row LL sums of
         2-byte partials, or None. The sum then only waits (`all_reduce_rms_norm`)."""
-        if part is None or not PUSH_IN_MATMUL or part.shape[0] != 1 or part.element_size() != 2:
+        if part is None or not self.push_in_matmul or part.shape[0] != 1 or part.element_size() != 2:
             return None
         slot = self._slot_of(part)
         if slot is None or not self.uses_ll(part):
@@ -232,28 +235,35 @@ class SymmAllReduce:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(s), s) for s = sum over ranks of `part` (+ residual, if any); `part` must
         be held. Every rank must call it for the same slot, in the same order."""
-        from nanoserve.models.triton_ops import all_reduce_rms_norm, ll_all_reduce_rms_norm
-
         slot = self._slot_of(part)
         push = self._pushes.pop(slot, None)
         if self.uses_ll(part):
             sent = push is not None and push.sent
             return ll_all_reduce_rms_norm(
-                part, self.ll_dst_addrs[slot], self.ll_recv[slot], self.epochs, self.rank, residual, weight, eps, sent
+                part,
+                self.ll_dst_addrs[slot],
+                self.ll_recv[slot],
+                self.epochs,
+                self.rank,
+                residual,
+                weight,
+                eps,
+                sent,
+                pdl=self.pdl,
             )
         return all_reduce_rms_norm(
-            part, self.slot_addrs[slot], self.flag_addrs, self.epochs, self.rank, residual, weight, eps
+            part, self.slot_addrs[slot], self.flag_addrs, self.epochs, self.rank, residual, weight, eps, pdl=self.pdl
         )
 
 
-def setup_symm_all_reduce(ctx, single_host: bool) -> SymmAllReduce | None:
+def setup_symm_all_reduce(ctx, single_host: bool, switches: KernelSwitches) -> SymmAllReduce | None:
     """Every rank calls this right after joining (`ctx`: process_group.DistContext). Returns
     the fast path, or None (NCCL for everything) on every rank alike. Each step's outcome is
     agreed over the gloo control group before the next: no rank launches the fused kernel
     unless every rank has its buffer, and the trial sum's values are checked on every rank."""
     if ctx.device.type != "cuda" or ctx.world_size < 2:
         return None
-    if not enabled() or not single_host:
+    if not switches.symm_mem or not single_host:
         # The same on every rank (the environment is inherited; --nnodes is one setting), so
         # no agreement is needed. Peer-to-peer loads reach only the GPUs of one host.
         if ctx.rank == 0:
@@ -262,7 +272,7 @@ def setup_symm_all_reduce(ctx, single_host: bool) -> SymmAllReduce | None:
         return None
     symm, reason = None, None
     try:
-        symm = _allocate(ctx)
+        symm = _allocate(ctx, switches)
     except Exception as exc:  # noqa: BLE001 - any failure falls back to NCCL
         reason = _failed("set-up", exc)
     if not all(_gather_flags(ctx, reason is None)):  # also the barrier after the flags' zeroing
@@ -294,7 +304,7 @@ def setup_symm_all_reduce(ctx, single_host: bool) -> SymmAllReduce | None:
     return symm
 
 
-def _allocate(ctx) -> SymmAllReduce:
+def _allocate(ctx, switches: KernelSwitches) -> SymmAllReduce:
     import torch.distributed._symmetric_memory as symm_mem
 
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -303,14 +313,15 @@ def _allocate(ctx) -> SymmAllReduce:
         # torch's own CUDA backend: peer mappings of plain device memory, freed locally (the
         # NVSHMEM backend's free is a collective, which an exit on one rank could hang).
         symm_mem.set_backend("CUDA")
-    max_bytes = int(os.environ.get("NANOSERVE_SYMM_MEM_MAX_BYTES", DEFAULT_MAX_BYTES))
+    max_bytes = switches.symm_mem_max_bytes
     max_bytes -= max_bytes % _ALIGN
     group = dist.group.WORLD
     buffer = symm_mem.empty(SymmAllReduce.buffer_bytes(max_bytes, ctx.world_size), dtype=torch.uint8, device=ctx.device)
     handle = symm_mem.rendezvous(buffer, group)
     buffer.zero_()  # the flags start at 0, as the epochs do
     torch.cuda.synchronize(ctx.device)  # zeroed before any peer can signal (the caller's gather follows)
-    return SymmAllReduce(buffer, [int(p) for p in handle.buffer_ptrs], ctx.rank, max_bytes, protocol())
+    peers = [int(p) for p in handle.buffer_ptrs]
+    return SymmAllReduce(buffer, peers, ctx.rank, max_bytes, switches.symm_protocol, switches.symm_push, switches.pdl)
 
 
 def _launch_trial(symm: SymmAllReduce, ctx) -> list[torch.Tensor]:

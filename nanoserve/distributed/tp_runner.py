@@ -58,10 +58,10 @@ and when rank 0's sockets close.
 
 Shutdown: `TPModelRunner.shutdown()` (also `LLMEngine.shutdown()` / `LLM.shutdown()`, run
 as well when the runner is garbage-collected and at interpreter exit) broadcasts a
-shutdown header; then every rank drops its CUDA graphs. By default (TEARDOWN "abort",
-process_group.py) the workers abort their communicators, which is local, and exit; rank 0
+shutdown header; then every rank drops its CUDA graphs. By default (tp_teardown "abort",
+process_group.destroy_distributed) the workers abort their communicators, which is local, and exit; rank 0
 joins them (killing any still alive after a grace period) and then aborts its own groups,
-waiting at most ABORT_GRACE_S. With NANOSERVE_TP_TEARDOWN=destroy every rank destroys its
+waiting at most ABORT_GRACE_S. With NANOSERVE_TP_TEARDOWN=destroy (KernelSwitches.tp_teardown) every rank destroys its
 groups at the same time instead (NCCL's finalize may need the peers; rank 0 waits at most
 the grace period): on 2 x H200 that took 20.2 s, the abort 1.2 s. After a failure rank 0
 kills the workers first and then tears down alone. One tensor-parallel engine per process
@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import logging
 import multiprocessing
 import os
@@ -86,7 +87,7 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.attention.base import AttentionMetadata
-from nanoserve.distributed import SINGLE, TPGroup, process_group
+from nanoserve.distributed import SINGLE, TPGroup
 from nanoserve.distributed.process_group import (
     DistContext,
     cpu_threads_per_rank,
@@ -240,6 +241,7 @@ class _Runtime:
         self.ctx = ctx
         self.procs = procs  # [(rank, Process)] spawned by this process
         self.timeout_s = config.dist_timeout_s
+        self.teardown = config.switches.tp_teardown
         self.control_len = control_len(config.max_num_seqs)
         self.failed: str | None = None
         self.closed = False
@@ -293,26 +295,27 @@ class _Runtime:
             return
         told = self.announce_shutdown()
         self.closed = True
-        if told and process_group.TEARDOWN == "abort":
+        destroy = functools.partial(destroy_distributed, self.teardown)
+        if told and self.teardown == "abort":
             # Aborting is local: the workers abort theirs and exit, then this rank aborts its own
             # (2 x H200: 0.7 s, then 0.5 s). Still bounded: should an abort hang, the groups
             # stay until this process exits rather than hang the caller.
             started = time.monotonic()
             self.kill_workers(grace_s=SHUTDOWN_GRACE_S)
             log.info("tensor parallel: workers exited in %.1f s", time.monotonic() - started)
-            if not _within(destroy_distributed, ABORT_GRACE_S):
+            if not _within(destroy, ABORT_GRACE_S):
                 log.warning("tensor parallel: aborting rank 0's groups took over %g s; left to exit", ABORT_GRACE_S)
         elif told:
             # The workers tear their communicators down now too. Do it at the same time: NCCL's
             # teardown (of buffers registered by captured collectives, say) may need the peers,
             # so destroying only after the workers are gone could wait on them for ever. Bounded,
             # so a stuck teardown cannot hang the caller.
-            if not _within(destroy_distributed, SHUTDOWN_GRACE_S):
+            if not _within(destroy, SHUTDOWN_GRACE_S):
                 log.warning("tensor parallel: tearing down the process groups took over %g s", SHUTDOWN_GRACE_S)
             self.kill_workers(grace_s=SHUTDOWN_GRACE_S)
         else:
             self.kill_workers(grace_s=SHUTDOWN_GRACE_S)
-            destroy_distributed()  # the workers are gone by now, so teardown cannot wait on them
+            destroy()  # the workers are gone by now, so teardown cannot wait on them
         if _RUNTIME is self:
             _RUNTIME = None
 
@@ -359,7 +362,7 @@ def init_tensor_parallel(config) -> TPGroup:
         raise TensorParallelError(f"tensor-parallel rendezvous at {addr} failed: {exc}") from exc
     _RUNTIME = _Runtime(ctx, procs, config)
     try:
-        symm = setup_symm_all_reduce(ctx, single_host=config.nnodes == 1)
+        symm = setup_symm_all_reduce(ctx, single_host=config.nnodes == 1, switches=config.switches)
     except BaseException as exc:
         if rank != 0:
             raise
@@ -584,7 +587,7 @@ def worker_main(config, rank: int, init_addr: str, parent_pid: int | None) -> No
         code = 1
     finally:
         if _RUNTIME is not None and code == 0:
-            destroy_distributed()
+            destroy_distributed(config.switches.tp_teardown)
     os._exit(code)
 
 

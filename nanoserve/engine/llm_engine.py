@@ -39,6 +39,7 @@ from nanoserve.outputs import StepUpdate
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler.request import Request
 from nanoserve.scheduler.scheduler import ScheduledBatch, Scheduler, pages_for
+from nanoserve.switches import log_nondefault
 from nanoserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("nanoserve")
@@ -47,6 +48,7 @@ log = logging.getLogger("nanoserve")
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         tp = init_tensor_parallel(config)  # TP > 1: rank 0 spawns and joins the worker ranks
+        log_nondefault(config.switches)
         self.config = config
         started = time.perf_counter()
         source = resolve_model(config.model)
@@ -59,7 +61,14 @@ class LLMEngine:
         wanted_len = config.max_model_len or cfg.max_position_embeddings
         torch.manual_seed(config.seed)
         model = build_model(
-            source, config.load_format, self.dtype, self.device, config.seed, max_positions=wanted_len, tp=tp
+            source,
+            config.load_format,
+            self.dtype,
+            self.device,
+            config.seed,
+            max_positions=wanted_len,
+            tp=tp,
+            switches=config.switches,
         )
         self.kv_dtype = config.torch_kv_dtype(self.dtype)
         plan = agree_kv_plan(
@@ -79,7 +88,9 @@ class LLMEngine:
             page_table=PageTable(config.max_num_seqs, pages_for(self.max_model_len, plan.page_size)),
             prefix_cache=self.prefix_cache,
         )
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(
+            self.device, config.seed, fused=config.switches.fused_sampler and self.device.type == "cuda"
+        )
         self.runner.setup_cuda_graphs(self.max_model_len)
         # Overlap scheduling (CUDA by default; tests force it on CPU by setting the attribute).
         self.overlap = config.overlap_schedule and self.device.type == "cuda"

@@ -84,7 +84,9 @@ class ModelRunner:
             kv_dtype,
             device,
         )
-        self.backend = get_backend(config.attention_backend, device, max_num_reqs=config.max_num_seqs)
+        self.backend = get_backend(
+            config.attention_backend, device, max_num_reqs=config.max_num_seqs, switches=config.switches
+        )
         # Last sampled token of each request slot, kept on the device: a decode step whose
         # input token is still being sampled (overlap scheduling) reads it from here.
         self.token_pool = torch.zeros(config.max_num_seqs, dtype=torch.long, device=device)

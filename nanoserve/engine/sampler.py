@@ -11,26 +11,25 @@ same tokens whatever else is in the batch. Log-probabilities are those of the ra
 distribution (before penalties and temperature), as in OpenAI's API.
 
 Fast path (CUDA): a batch whose rows are all greedy or plain temperature sampling (no
-penalties, masks or seeds) goes through two Triton kernels (sample_kernels.py) that read
+penalties, masks or seeds) goes through two Triton kernels (nanoserve/kernels/sampling.py) that read
 the logits once in their own dtype and draw by inverse transform sampling, one uniform
 per row keyed by the sampler's seed and a count of its calls. Everything else, and every batch when
-NANOSERVE_FUSED_SAMPLER=0, takes the torch path above (its slow twin): greedy rows give the
+KernelSwitches.fused_sampler off, takes the torch path above (its slow twin): greedy rows give the
 same tokens on both, sampled rows the same distribution (not the same draws).
 """
 
 from __future__ import annotations
 
 import operator
-import os
 from dataclasses import dataclass
 
 import torch
 
+from nanoserve.kernels.sampling import fused_sample
 from nanoserve.models.layers import fused
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
-FUSED_SAMPLER = os.environ.get("NANOSERVE_FUSED_SAMPLER", "1") != "0"
 FUSED_MIN_GREEDY_ROWS = 64  # all-greedy batches below this take torch's argmax (see _BatchPlan)
 
 
@@ -160,12 +159,12 @@ race_argmax = fused(_race_argmax)  # one fused kernel on CUDA
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int, fused: bool | None = None):
-        """`fused`: use the Triton kernel where it applies (default: on CUDA unless
-        NANOSERVE_FUSED_SAMPLER=0; tests force it on CPU under Triton's interpreter)."""
+        """`fused`: use the Triton kernel where it applies (default: on CUDA; the engine
+        passes KernelSwitches.fused_sampler; tests force it on CPU under Triton's interpreter)."""
         self.device = torch.device(device)
         self.seed = seed
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.fused = (FUSED_SAMPLER and self.device.type == "cuda") if fused is None else fused
+        self.fused = self.device.type == "cuda" if fused is None else fused
         self.calls = 0  # keys the fused kernel's uniforms: new ones for every call
         self._plan: _BatchPlan | None = None
 
@@ -180,8 +179,6 @@ class Sampler:
         if plan is None or not plan.matches(rows):
             plan = self._plan = _BatchPlan(rows, logits.shape[1], logits.device, self.fused)
         if plan.fused:
-            from nanoserve.engine.sample_kernels import fused_sample
-
             tokens = fused_sample(logits, plan.row_temperature, self.seed, self.calls)
             self.calls += 1
         else:

@@ -40,9 +40,12 @@ from nanoserve.models.layers import (
     RowSlice,
     SplitKPartials,
     VocabParallelEmbedding,
+    _SwitchedLayer,
+    apply_switches,
     silu_and_mul,
 )
 from nanoserve.models.model_config import ModelConfig
+from nanoserve.switches import KernelSwitches
 
 
 def kv_heads_per_rank(cfg: ModelConfig, tp: TPGroup) -> int:
@@ -104,7 +107,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
-class MLP(nn.Module):
+class MLP(_SwitchedLayer):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         parts = [RowSlice.split(name, cfg.intermediate_size, tp) for name in ("gate", "up")]
@@ -113,7 +116,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """This rank's partial sums of the MLP's output (see RowParallelLinear)."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.switches))
 
 
 class DecoderLayer(nn.Module):
@@ -147,7 +150,9 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = SINGLE):
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, tp: TPGroup = SINGLE, switches: KernelSwitches | None = None
+    ):
         super().__init__()
         self.config = cfg
         self.tp = tp
@@ -158,6 +163,8 @@ class DecoderLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        if switches is not None:
+            apply_switches(self, switches)
 
     @property
     def num_pieces(self) -> int:

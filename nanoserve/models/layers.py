@@ -2,7 +2,9 @@
 
 Owns: RMSNorm, rotary embedding (default, linear and llama3 scaling), column- and
 row-parallel linears, the vocab-parallel embedding and LM head, and the choice between the
-torch functions below and the Triton decode kernels of triton_ops.py on CUDA.
+torch references and the Triton kernels of nanoserve/kernels on CUDA. Which fast paths run
+is set by the `KernelSwitches` each layer holds (`switches`, the defaults unless
+`DecoderLM` hands its own to every layer with `apply_switches`).
 
 Sharding invariants (rank r of a group of size N):
 - a column-parallel linear holds rows [r*out/N, (r+1)*out/N) of every merged part
@@ -24,7 +26,6 @@ rank's slice out of a full checkpoint tensor.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -34,19 +35,26 @@ from torch import nn
 
 from nanoserve.attention.base import KVSink
 from nanoserve.distributed import SINGLE, TPGroup
+from nanoserve.kernels import activation, norm, rotary
+from nanoserve.kernels import linear as linear_kernels
+from nanoserve.kernels.activation import silu_and_mul_reference
+from nanoserve.kernels.norm import add_rms_norm_reference, rms_norm_reference
+from nanoserve.kernels.rotary import rope_reference
+from nanoserve.switches import KernelSwitches
 
-# Fused elementwise ops on CUDA: the plain torch functions below compiled by torch.compile
-# (one kernel each, no host sync). The plain versions are the CPU path and the reference.
-# NANOSERVE_FUSED=0 turns the compiled versions off.
-FUSED_OPS = os.environ.get("NANOSERVE_FUSED", "1") != "0"
+DEFAULT_SWITCHES = KernelSwitches()
+
+# Fused elementwise ops on CUDA: the torch references compiled by torch.compile (one kernel
+# each, no host sync). The references themselves are the CPU path and the slow twin
+# (KernelSwitches.fused off).
 _compiled: dict = {}
 
 
 def fused(fn):
-    """`fn` compiled for CUDA tensors when FUSED_OPS; the plain function otherwise."""
+    """`fn` compiled for CUDA tensors when `switches.fused`; the plain function otherwise."""
 
-    def call(*args):
-        if not (FUSED_OPS and args[0].is_cuda):
+    def call(*args, switches: KernelSwitches = DEFAULT_SWITCHES):
+        if not (switches.fused and args[0].is_cuda):
             return fn(*args)
         compiled = _compiled.get(fn)
         if compiled is None:
@@ -57,44 +65,17 @@ def fused(fn):
     return call
 
 
-def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+def apply_switches(model: nn.Module, switches: KernelSwitches) -> None:
+    """Hand `switches` to every layer of `model` that chooses between kernels."""
+    for module in model.modules():
+        if isinstance(module, _SwitchedLayer):
+            module.switches = switches
 
 
-def add_rms_norm_plain(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    x = x + residual
-    return rms_norm_plain(x, weight, eps), x
+class _SwitchedLayer(nn.Module):
+    """A layer whose forward picks Triton kernels or torch references by its switches."""
 
-
-def silu_and_mul_plain(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def rope_plain(positions, q, k, cos_table, sin_table):
-    cos = cos_table[positions].unsqueeze(1)
-    sin = sin_table[positions].unsqueeze(1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-# Triton kernels for decode (triton_ops.py), CUDA only: the small-M linear where its measured
-# rule picks it, q/k norm + rotary in one launch, (residual add +) RMSNorm, SiLU-and-mul. The
-# torch functions here are their slow twins; NANOSERVE_TRITON_OPS=0 turns the kernels off.
-TRITON_OPS = os.environ.get("NANOSERVE_TRITON_OPS", "1") != "0"
-_ops = None
-
-
-def triton_ops():
-    """The Triton kernel module, imported on first use (triton is only needed on CUDA)."""
-    global _ops
-    if _ops is None:
-        from nanoserve.models import triton_ops as module
-
-        _ops = module
-    return _ops
+    switches: KernelSwitches = DEFAULT_SWITCHES
 
 
 def linear(
@@ -104,10 +85,11 @@ def linear(
     fp32_out: bool = False,
     out: torch.Tensor | None = None,
     push=None,
+    switches: KernelSwitches = DEFAULT_SWITCHES,
 ) -> torch.Tensor:
     """x W^T (+ b) in x's dtype, or with `fp32_out` in fp32, accumulated in fp32 and never
     rounded to x's dtype; written into `out` ([rows, N], dense, of that dtype) when given. On
-    CUDA the Triton small-M kernel runs where `triton_ops.linear_config` says it beats cuBLAS
+    CUDA the Triton small-M kernel runs where `kernels.linear.linear_config` says it beats cuBLAS
     for this shape (decode batches of up to 256 rows; split-K on narrow matrices); otherwise
     cuBLAS (F.linear, or torch.mm / addmm into `out`), or for fp32_out cuBLAS with an fp32
     output (`torch.mm(..., out_dtype)`), or on CPU (the slow twin) the matmul of fp32 copies.
@@ -116,13 +98,14 @@ def linear(
     fp32_out = fp32_out and x.dtype != torch.float32
     k, n = x.shape[-1], weight.shape[0]
     rows = x.numel() // k if k else 0
-    config = _small_m_config(x, weight)
+    config = _small_m_config(x, weight, switches)
     if config is not None:
         if out is None:
             out = torch.empty(rows, n, dtype=torch.float32 if fp32_out else x.dtype, device=x.device)
-        ops = triton_ops()
-        pushing = push is not None and ops.can_push(config, rows, out.dtype)
-        ops.small_m_linear(x.reshape(rows, k), weight, bias, config, out=out, push=push.args() if pushing else None)
+        pushing = push is not None and linear_kernels.can_push(config, rows, out.dtype)
+        linear_kernels.small_m_linear(
+            x.reshape(rows, k), weight, bias, config, out=out, push=push.args() if pushing else None, pdl=switches.pdl
+        )
         if pushing:
             push.sent = True
         return out.view(*x.shape[:-1], n)
@@ -146,62 +129,60 @@ def linear(
     return y.view(*x.shape[:-1], n)
 
 
-def _small_m_config(x: torch.Tensor, weight: torch.Tensor):
-    """triton_ops' launch config for x W^T on CUDA (None: cuBLAS or the CPU path)."""
-    if TRITON_OPS and x.is_cuda and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(1) == 1:
+def _small_m_config(x: torch.Tensor, weight: torch.Tensor, switches: KernelSwitches):
+    """The small-M kernel's launch config for x W^T on CUDA (None: cuBLAS or the CPU path)."""
+    if switches.triton_ops and x.is_cuda and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(1) == 1:
         k = x.shape[-1]
-        return triton_ops().linear_config(x.numel() // k if k else 0, weight.shape[0], k, x.dtype)
+        return linear_kernels.linear_config(x.numel() // k if k else 0, weight.shape[0], k, x.dtype)
     return None
 
 
 # A single-GPU row-parallel product that runs split-K leaves its fp32 partials unsummed and
 # the RMSNorm after it adds them (one launch less on the chain of every layer's o_proj and
-# down at 9..256 rows, bit-identical). NANOSERVE_SPLIT_SUM_IN_NORM=0: the sum kernel (A/B).
-SPLIT_SUM_IN_NORM = os.environ.get("NANOSERVE_SPLIT_SUM_IN_NORM", "1") != "0"
+# down at 9..256 rows, bit-identical); `split_sum_in_norm` off: the sum kernel (A/B).
 
 
 class SplitKPartials(NamedTuple):
     """A row-parallel product left unsummed: its split-K fp32 partials [S, T, N] (dense),
-    which the next RMSNorm adds in split order and rounds once (triton_ops.rms_norm)."""
+    which the next RMSNorm adds in split order and rounds once (kernels.norm.rms_norm)."""
 
     planes: torch.Tensor
 
 
-rms_norm = fused(rms_norm_plain)
-add_rms_norm = fused(add_rms_norm_plain)
-_silu_and_mul_fused = fused(silu_and_mul_plain)
-rope = fused(rope_plain)
+rms_norm = fused(rms_norm_reference)
+add_rms_norm = fused(add_rms_norm_reference)
+_silu_and_mul_fused = fused(silu_and_mul_reference)
+rope = fused(rope_reference)
 
 
 # The Triton SiLU-and-mul runs where it was measured faster: intermediate sizes up to
-# TRITON_SILU_MAX_I. H200, 2026-11-21 (RESULTS.md, fifth round): qwen3-0.6b (I = 3072) batch-1
-# TPOT 0.863 vs 0.893 ms and decode steps 1-5% faster together with the split-K rule; but
-# llama-3.1-8b (I = 14336) batch-1 TPOT 4.419 vs 4.305 ms, so larger MLPs keep the compiled one.
-# NANOSERVE_TRITON_SILU=0 keeps the compiled one everywhere (A/B runs).
-TRITON_SILU = os.environ.get("NANOSERVE_TRITON_SILU", "1") != "0"
+# TRITON_SILU_MAX_I. H200, 2026-11-21 (RESULTS.md): qwen3-0.6b (I = 3072) batch-1 TPOT 0.863
+# vs 0.893 ms and decode steps 1-5% faster together with the split-K rule; but llama-3.1-8b
+# (I = 14336) batch-1 TPOT 4.419 vs 4.305 ms, so larger MLPs keep the compiled one.
+# `triton_silu` off keeps the compiled one everywhere (A/B runs).
 TRITON_SILU_MAX_I = 4096
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, switches: KernelSwitches = DEFAULT_SWITCHES) -> torch.Tensor:
     """silu(gate) * up of gate_up [..., 2I]. On CUDA a 2-D gate_up with a dense last dim goes
     through the Triton kernel (one launch, under PDL) where TRITON_SILU_MAX_I allows; otherwise
     the fused torch version."""
     if (
-        TRITON_OPS
-        and TRITON_SILU
+        switches.triton_ops
+        and switches.triton_silu
         and gate_up.is_cuda
         and gate_up.dim() == 2
         and gate_up.stride(1) == 1
         and gate_up.shape[1] <= 2 * TRITON_SILU_MAX_I
     ):
-        return triton_ops().silu_and_mul(gate_up)
-    return _silu_and_mul_fused(gate_up)
+        return activation.silu_and_mul(gate_up, pdl=switches.pdl)
+    return _silu_and_mul_fused(gate_up, switches=switches)
 
 
-silu_and_mul.plain = silu_and_mul_plain
+silu_and_mul.plain = silu_and_mul_reference
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(_SwitchedLayer):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -216,8 +197,9 @@ class RMSNorm(nn.Module):
         row-parallel layer: they are summed over the group first, fused with the add and
         the norm where the group's symmetric-memory path holds x, else by its all-reduce.
         SplitKPartials (single GPU, CUDA) are summed by the norm's own kernel."""
+        switches = self.switches
         if isinstance(x, SplitKPartials):
-            return triton_ops().rms_norm(x.planes, self.weight, self.eps, residual)
+            return norm.rms_norm(x.planes, self.weight, self.eps, residual, pdl=switches.pdl)
         if reduce_over.size > 1:
             fused = None if residual is None else reduce_over.reduce_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:
@@ -226,11 +208,11 @@ class RMSNorm(nn.Module):
         dense = x.dim() == 2 and x.stride(1) == 1 and x.dtype == self.weight.dtype
         if residual is not None:
             dense = dense and residual.shape == x.shape and residual.stride(-1) == 1 and residual.dtype == x.dtype
-        if TRITON_OPS and x.is_cuda and dense:
-            return triton_ops().rms_norm(x, self.weight, self.eps, residual)
+        if switches.triton_ops and x.is_cuda and dense:
+            return norm.rms_norm(x, self.weight, self.eps, residual, pdl=switches.pdl)
         if residual is not None:
-            return add_rms_norm(x, residual, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps)
+            return add_rms_norm(x, residual, self.weight, self.eps, switches=switches)
+        return rms_norm(x, self.weight, self.eps, switches=switches)
 
     def start_stream(self, x: torch.Tensor, reduce_over: TPGroup = SINGLE) -> tuple[torch.Tensor, torch.Tensor]:
         """The first layer's input norm: x is the residual stream's start (the embedding;
@@ -263,11 +245,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 # The rotary kernel also writes the new K/V into the cache where the caller hands it a KVSink
-# (one launch less per layer); NANOSERVE_KV_STORE_IN_ROPE=0: attention's own store kernel (A/B).
-KV_STORE_IN_ROPE = os.environ.get("NANOSERVE_KV_STORE_IN_ROPE", "1") != "0"
+# (one launch less per layer); `kv_store_in_rope` off: attention's own store kernel (A/B).
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(_SwitchedLayer):
     """Neox-style rotary embedding (rotate-half), cos/sin precomputed per position."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
@@ -291,29 +272,24 @@ class RotaryEmbedding(nn.Module):
         RMS-normalised first; on CUDA both steps run in one Triton launch. With `kv_sink`
         (and v [T, Hk, D]) the rotated k and v are also written into the sink's cache
         slots: by the same launch on CUDA, else by the sink's own store."""
+        switches = self.switches
         same_eps = q_norm is None or q_norm.eps == k_norm.eps
-        if TRITON_OPS and q.is_cuda and same_eps:
+        if switches.triton_ops and q.is_cuda and same_eps:
             weights = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-            fuse = kv_sink is not None and KV_STORE_IN_ROPE
+            fuse = kv_sink is not None and switches.kv_store_in_rope
             store = (v, kv_sink.k_cache, kv_sink.v_cache, kv_sink.slot_mapping) if fuse else None
-            q, k = triton_ops().qk_norm_rope(positions, q, k, self.cos, self.sin, *weights, kv_store=store)
+            q, k = rotary.qk_norm_rope(
+                positions, q, k, self.cos, self.sin, *weights, kv_store=store, pdl=switches.pdl
+            )
             if kv_sink is not None and not fuse:
                 kv_sink.store(k, v)
             return q, k
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        q, k = rope(positions, q, k, self.cos, self.sin)
+        q, k = rope(positions, q, k, self.cos, self.sin, switches=switches)
         if kv_sink is not None:
             kv_sink.store(k, v)
         return q, k
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    cos = torch.cat((cos, cos), dim=-1).to(x.dtype)
-    sin = torch.cat((sin, sin), dim=-1).to(x.dtype)
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def _shard(size: int, tp: TPGroup, what: str) -> int:
@@ -337,7 +313,7 @@ class RowSlice:
         return RowSlice(name, tp.rank * size, size)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_SwitchedLayer):
     """y = x W^T (+ b) for one or several merged outputs (q/k/v, gate/up), each part
     holding the rows given by its RowSlice; the output is the parts concatenated."""
 
@@ -361,18 +337,17 @@ class ColumnParallelLinear(nn.Module):
         raise KeyError(f"no part {shard_id!r} in this linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, switches=self.switches)
 
 
 # Tensor parallelism: row-parallel partial sums are all-reduced in the activation dtype, as
-# vLLM and SGLang do; NANOSERVE_TP_REDUCE_FP32=1 keeps them fp32 and rounds once (see
-# RowParallelLinear). Measured on 2 x H200, dummy llama-3.1-8b bf16 (RESULTS.md, fourth
-# round): bf16 sums 14,509 vs 13,025 offline tok/s and 3.20 vs 3.30 ms batch-1 TPOT, and greedy
+# vLLM and SGLang do; `tp_reduce_fp32` keeps them fp32 and rounds once (see
+# RowParallelLinear). Measured on 2 x H200, dummy llama-3.1-8b bf16 (RESULTS.md, 2026-11-21):
+# bf16 sums 14,509 vs 13,025 offline tok/s and 3.20 vs 3.30 ms batch-1 TPOT, and greedy
 # agreement with TP=1 no worse (4/16 vs 2/16 identical over 32 tokens; top-5 never broken).
-TP_REDUCE_FP32 = os.environ.get("NANOSERVE_TP_REDUCE_FP32", "0") == "1"
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SwitchedLayer):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup = SINGLE, reduce_slot: int = 0):
         super().__init__()
         self.tp = tp
@@ -391,26 +366,28 @@ class RowParallelLinear(nn.Module):
         """This rank's partial sums x_r W_r^T, rank 0's plus the bias: the layer's output once
         summed over the group, which the RMSNorm after it does (`reduce_over`), fused with
         its residual add where it can. With TP=1 the partial sum is the output, or, where
-        the product runs split-K (SPLIT_SUM_IN_NORM, no bias), its unsummed SplitKPartials:
+        the product runs split-K (`split_sum_in_norm`, no bias), its unsummed SplitKPartials:
         the RMSNorm after it is this layer's only consumer."""
-        if self.tp.size == 1 and self.bias is None and SPLIT_SUM_IN_NORM and x.dim() == 2:
-            config = _small_m_config(x, self.weight)
+        switches = self.switches
+        if self.tp.size == 1 and self.bias is None and switches.split_sum_in_norm and x.dim() == 2:
+            config = _small_m_config(x, self.weight, switches)
             if config is not None and config.split_k > 1:
-                return SplitKPartials(triton_ops().small_m_linear(x, self.weight, None, config, partials_only=True))
+                planes = linear_kernels.small_m_linear(x, self.weight, None, config, partials_only=True, pdl=switches.pdl)
+                return SplitKPartials(planes)
         # TP=1 rounds each output once, at the end of its full-width matmul; with
-        # TP_REDUCE_FP32 the partials stay fp32 through the sum and are rounded once after
+        # `tp_reduce_fp32` the partials stay fp32 through the sum and are rounded once after
         # it, as TP=1 does, for twice the bytes on the wire (opt-in).
-        fp32 = self.tp.size > 1 and TP_REDUCE_FP32
+        fp32 = self.tp.size > 1 and switches.tp_reduce_fp32
         rows, n = x.numel() // x.shape[-1], self.weight.shape[0]
         out = self.tp.partial_out(rows, n, torch.float32 if fp32 else x.dtype, self.reduce_slot)
         bias = self.bias if self.tp.rank == 0 else None
-        return linear(x, self.weight, bias, fp32_out=fp32, out=out, push=self.tp.ll_push(out))
+        return linear(x, self.weight, bias, fp32_out=fp32, out=out, push=self.tp.ll_push(out), switches=switches)
 
 
 EMBEDDING_SLOT = 1  # the symmetric-memory slot of the embedding's partial sums
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_SwitchedLayer):
     def __init__(self, vocab_size: int, dim: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.tp = tp
@@ -444,6 +421,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; may share its weight with the embedding (tied)."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = linear(hidden, self.weight)
+        out = linear(hidden, self.weight, switches=self.switches)
         out = self.tp.all_gather_last_dim(out)
         return out[..., : self.vocab_size]

@@ -21,6 +21,7 @@ from nanoserve.distributed import SINGLE, TPGroup
 from nanoserve.models.decoder import DecoderLM
 from nanoserve.models.model_config import ModelConfig
 from nanoserve.models.registry import ModelSource, gguf_metadata
+from nanoserve.switches import KernelSwitches
 
 Checkpoint = Iterator[tuple[str, torch.Tensor]]
 
@@ -108,12 +109,27 @@ def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# Dummy weights: gains over a unit base. Every matrix, the embedding and lm_head included,
+# is uniform with variance 1/fan_in, so it maps order-one inputs to order-one outputs and the
+# residual grows like sqrt(layers) (about 6 at 36 layers: bf16-safe). The embedding is thus
+# small beside what the layers add: with tied embeddings a large one (as before 2026-11-25,
+# variance 1/3) made the current token's own row win the logits, and greedy outputs repeated
+# one token whatever the context.
+DUMMY_LOGIT_GAIN = 8.0
+"""Final norm weight: the logits' spread over the vocabulary is about this, so over a 150k
+vocabulary the top-1 probability lies mostly between 0.25 and 0.95."""
+DUMMY_QUERY_GAIN = 4.0
+"""Attention scores' spread (1 without it): a few positions take most of the weight, so the
+next token depends on which earlier tokens the rotated queries find, not on the current one
+alone."""
+
+
 def dummy_checkpoint(cfg: ModelConfig, seed: int, device: torch.device, dtype: torch.dtype) -> Checkpoint:
     """Random full tensors, each a function of (seed, name) alone, so every rank and every
     run with the same seed on the same device type sees the same weights.
 
-    Scales keep activations of order one through the layers (uniform with variance
-    1/fan_in for matrices, norms near 1), so logits are peaked as in trained models."""
+    Activations stay of order one through the layers; greedy outputs vary from prompt to
+    prompt and step to step, and logits are spread as in trained models (tests/test_dummy_weights.py)."""
     for name, shape in hf_parameter_shapes(cfg).items():
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         values = torch.rand(shape, generator=gen, device=device, dtype=torch.float32) * 2 - 1
@@ -121,8 +137,12 @@ def dummy_checkpoint(cfg: ModelConfig, seed: int, device: torch.device, dtype: t
             values = 1 + 0.1 * values
         elif name.endswith(".bias"):
             values = 0.1 * values
-        elif "embed_tokens" not in name:
+        else:
             values = values * (3.0 / shape[-1]) ** 0.5
+        if name == "model.norm.weight":
+            values = values * DUMMY_LOGIT_GAIN
+        elif name.endswith("q_norm.weight") if cfg.qk_norm else ".q_proj." in name:
+            values = values * DUMMY_QUERY_GAIN
         yield name, values.to(dtype)
 
 
@@ -165,13 +185,14 @@ def build_model(
     seed: int,
     max_positions: int,
     tp: TPGroup = SINGLE,
+    switches: KernelSwitches | None = None,
 ) -> DecoderLM:
     cfg = source.config
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = DecoderLM(cfg, max_positions=max_positions, tp=tp)
+            model = DecoderLM(cfg, max_positions=max_positions, tp=tp, switches=switches)
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":

@@ -44,7 +44,7 @@ class ModelConfig:
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
-    def from_hf_dict(cfg: dict, name: str = "") -> "ModelConfig":
+    def from_hf_dict(cfg: dict, name: str = "") -> ModelConfig:
         model_type = cfg.get("model_type", "")
         if model_type not in _FAMILIES:
             raise ValueError(
@@ -89,7 +89,7 @@ class ModelConfig:
             hf_config=dict(cfg),
         )
 
-    def with_eos(self, eos_ids) -> "ModelConfig":
+    def with_eos(self, eos_ids) -> ModelConfig:
         merged = tuple(dict.fromkeys([*self.eos_token_ids, *eos_ids]))
         return ModelConfig(**{**self.__dict__, "eos_token_ids": merged})
 

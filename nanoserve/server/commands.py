@@ -7,10 +7,10 @@ nanoserve chat [--url URL | MODEL engine flags] [--system TEXT] [--max-tokens N]
 from __future__ import annotations
 
 import argparse
-import os
 
 from nanoserve.config import add_engine_args, engine_config_from_args
 from nanoserve.models.registry import DEFAULT_MODEL
+from nanoserve.switches import api_key_from_env
 
 
 def register(subparsers) -> None:
@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     g.add_argument(
         "--api-key",
-        default=os.environ.get("NANOSERVE_API_KEY"),
+        default=api_key_from_env(),
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NANOSERVE_API_KEY)",
     )
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
@@ -45,7 +45,7 @@ def register(subparsers) -> None:
     g.add_argument(
         "--url", default=None, help="a running nanoserve (or other OpenAI) server, e.g. http://127.0.0.1:8000"
     )
-    g.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"), help="bearer key for --url")
+    g.add_argument("--api-key", default=api_key_from_env(), help="bearer key for --url")
     g.add_argument("--system", default=None, help="a system prompt")
     g.add_argument("--max-tokens", type=int, default=512)
     g.add_argument("--temperature", type=float, default=0.7)

@@ -21,28 +21,49 @@ Conventions shared by all kernels (see base.py for the metadata invariants):
   data-dependent allocation), so decode and store can be captured in CUDA graphs; grids depend
   only on host ints (batch size, head counts, split count, max query length);
 - the store, decode split and reduce kernels launch with programmatic dependent launch where
-  the GPU has it, and wait for the previous kernel before their first read
-  (nanoserve/triton_pdl.py).
+  the GPU has it (and the caller's `pdl` switch allows), and wait for the previous kernel
+  before their first read (launch.py).
+
+`attention_reference` is the torch reference the tests compare with (fp32 softmax over the
+gathered pages); `store_kv_reference` is the store's. The engine's slow twin is
+nanoserve/attention/torch_backend.py, built on the same two functions.
 """
 
 from __future__ import annotations
 
 import math
-import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from nanoserve.attention.base import CascadeInputs
-from nanoserve.attention.cascade import ITEM_FIELDS, MAX_CASCADE_PARTS
-from nanoserve.triton_pdl import launch_options, pdl_start
+from nanoserve.kernels.launch import INTERPRET, launch_options, pdl_start
 
 LOG2E = 1.4426950408889634
 
+# Cascade decode (a shared prefix read once per group, planned on the host by
+# nanoserve/attention/cascade.py). A work item's int32 fields, in this order: the group's
+# first entry in `members`, the member count, the batch row whose page table the item reads
+# (any member's: they agree on the prefix), the token range [lo, hi), and which of the
+# group's parts it is.
+ITEM_FIELDS = ("first_member", "count", "table_row", "lo", "hi", "part")
+# The most parts one group's prefix is split into (the reduce reads this many extra columns).
+MAX_CASCADE_PARTS = 8
+
+
+@dataclass
+class CascadeInputs:
+    """Device side of a `nanoserve.attention.cascade.CascadePlan` (int32 tensors)."""
+
+    prefix_len: torch.Tensor  # [B] positions of request b read by its group's prefix pass (0: none)
+    num_parts: torch.Tensor  # [B] partial results the prefix pass gives request b
+    members: torch.Tensor  # [B] batch rows, each group's members contiguous
+    items: torch.Tensor  # [W, len(ITEM_FIELDS)] work items; unused ones have count 0
+
+
 # Triton's interpreter runs each program in numpy: small blocks keep CPU tests fast and make
 # tiny shapes cross several blocks (pages, splits, causal tiles) so that the logic is exercised.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Launch configurations, keyed by head_dim bucket; benchmarks may override entries to sweep.
 # Tuned on an H200 for head_dim 128 (decode and extend); the 64 and 256 entries are untuned.
@@ -66,11 +87,47 @@ DOT_F32 = INTERPRET
 # layer instead of 8.5-8.6 (H200, benchmarks/profile_decode.py --min-split-tokens 256 64:
 # batch-1 decode step 1.109 -> 1.021 ms on qwen3-0.6b, 4.478 -> 4.327 ms on llama-3.1-8b).
 MIN_SPLIT_TOKENS = 16 if INTERPRET else 64
-# Decode programs in launch order: all kv heads of a request next to each other (grid axis 0
-# = kv head), so the heads' programs run at the same time and read each token's cache row
-# (kv heads x head_dim, contiguous) together, or one head of every request first. A/B:
-# NANOSERVE_DECODE_HEADS_FIRST.
-DECODE_HEADS_FIRST = os.environ.get("NANOSERVE_DECODE_HEADS_FIRST", "1") == "1"
+# Decode programs in launch order (`paged_decode(heads_first=...)`, KernelSwitches'
+# decode_heads_first): all kv heads of a request next to each other (grid axis 0 = kv head),
+# so the heads' programs run at the same time and read each token's cache row (kv heads x
+# head_dim, contiguous) together, or one head of every request first.
+
+
+def store_kv_reference(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The store's torch twin: k/v [T, Hk, D] into cache slots slot_mapping [T], all >= 0
+    (the kernel also skips negative slots; the engine never makes them). No host sync."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, page_table: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """[B, max_seq_len, num_kv_heads, head_dim]: the first max_seq_len positions of every
+    request (page_table [B, pages]; positions past a request's length hold whatever its
+    table points at)."""
+    page_size = cache.shape[1]
+    positions = torch.arange(max_seq_len, device=cache.device)
+    slots = page_table[:, positions // page_size].long() * page_size + positions % page_size
+    return cache.view(-1, cache.shape[2], cache.shape[3])[slots]
+
+
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
+) -> torch.Tensor:
+    """Attention of q [Tq, Hq, D] over k/v [Tk, Hk, D] (grouped-query heads) with an fp32
+    softmax, rounded once to q's dtype. `causal_offset`: query i sees keys up to
+    causal_offset + i (the queries are the last Tq of the keys); None: all keys."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    if causal_offset is not None:
+        tq, tk = q.shape[0], k.shape[0]
+        allowed = torch.arange(tk, device=q.device)[None, :] <= causal_offset + torch.arange(tq, device=q.device)[:, None]
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", logits.softmax(-1), vf).to(q.dtype)
 
 
 def _stages(cfg: dict[str, int], x: torch.Tensor) -> int:
@@ -222,7 +279,12 @@ def _store_kv_kernel(
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    pdl: bool = True,
 ) -> None:
     """Write k/v [T, num_kv_heads, head_dim] into cache slots slot_mapping [T] (slots < 0 skipped)."""
     num_tokens = k.shape[0]
@@ -238,7 +300,7 @@ def store_kv(
         kc_slot, vc_slot,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        TO_FP8=k_cache.element_size() == 1, num_warps=4, **launch_options(k.device),
+        TO_FP8=k_cache.element_size() == 1, num_warps=4, **launch_options(k.device, pdl),
     )
 
 
@@ -380,6 +442,8 @@ def paged_decode(
     workspace: torch.Tensor | None,
     out: torch.Tensor,
     cascade: CascadeInputs | None = None,
+    heads_first: bool = True,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """out[b] = attention of q[b] ([B, Hq, D], one token per request) over the first
     seq_lens[b] positions of request b's pages. With num_splits > 1 or a cascade, `workspace`
@@ -408,7 +472,7 @@ def paged_decode(
         assert workspace.numel() >= n_part + n_lse, "decode workspace too small"
         part, lse = workspace[:n_part], workspace[n_part : n_part + n_lse]
     kv_start = cascade.prefix_len if cascade is not None else seq_lens  # unused without cascade
-    grid = (num_kv_heads, batch, num_splits) if DECODE_HEADS_FIRST else (batch, num_kv_heads, num_splits)
+    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, page_table, seq_lens, kv_start,
         out, part, lse,
@@ -420,8 +484,8 @@ def paged_decode(
         NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct, HAS_START=cascade is not None,
-        DOT_F32=DOT_F32, HEADS_FIRST=DECODE_HEADS_FIRST, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
-        **launch_options(q.device),
+        DOT_F32=DOT_F32, HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
+        **launch_options(q.device, pdl),
     )  # fmt: skip
     if cascade is not None:
         assert cascade.items.shape[1] == len(ITEM_FIELDS)
@@ -443,7 +507,7 @@ def paged_decode(
             out.stride(0), out.stride(1), num_splits, num_cols,
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_S=triton.next_power_of_2(num_cols), BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS,
-            HAS_CASCADE=cascade is not None, num_warps=4, **launch_options(q.device),
+            HAS_CASCADE=cascade is not None, num_warps=4, **launch_options(q.device, pdl),
         )  # fmt: skip
     return out
 

@@ -21,6 +21,9 @@ How, in two launches:
    The running sums and u are fp64 (u from 52 random bits), so no word's probability is lost
    to the resolution of fp32.
 
+`sample_reference` is the torch reference the tests compare with (sampler.py's torch path is
+the engine's slow twin).
+
 One uniform per row instead of noise per word: the Gumbel-max kernel this replaces drew a
 Philox number and two logs for each of the 39M words of a 256-row step and was compute-bound
 at about half the copy bandwidth (H200: 74 us per 256-row call).
@@ -43,13 +46,11 @@ Invariants:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from nanoserve.kernels.launch import INTERPRET
 
 # Words per tile and the most chunks a row is split into. The interpreter runs numpy per
 # program: small tiles keep CPU tests fast and make tiny vocabularies cross several tiles
@@ -198,6 +199,21 @@ def row_uniforms(rows: int, seed: int, step: int, device: torch.device) -> torch
     if rows:
         _uniforms_kernel[(rows,)](out, *_noise_key(seed, step), num_warps=1)
     return out
+
+
+def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The torch reference of `fused_sample` given its uniforms (`row_uniforms`): per row,
+    the argmax (T == 0) or the first word where the fp64 CDF of softmax(logits / T) passes
+    u * total (NaN counts as -inf). Agrees with the kernel except where fp32 rounding of the
+    per-word terms moves the CDF across u (rare: the tests bound it)."""
+    x = torch.nan_to_num(logits.double(), nan=float("-inf"))
+    greedy = temperature <= 0
+    scaled = x / torch.where(greedy, 1.0, temperature.double())[:, None]
+    p = scaled.softmax(dim=-1)
+    cdf = p.cumsum(dim=-1)
+    target = (uniforms.double() * cdf[:, -1])[:, None]
+    drawn = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
+    return torch.where(greedy, x.argmax(dim=-1), drawn)
 
 
 def fused_sample(

@@ -1,9 +1,11 @@
-"""Programmatic dependent launch (PDL, Hopper and later) for the engine's Triton kernels.
+"""How the kernels launch: Triton's interpreter flag and programmatic dependent launch (PDL,
+Hopper and later).
 
-Owns the `NANOSERVE_PDL` switch, `launch_options(device)` (a kernel's USE_PDL constexpr and
-Triton's launch_pdl option), the grid-dependency calls `gdc_wait` /
-`gdc_launch_dependents` (no-ops on a Triton without them) and `pdl_start`, the prologue that
-calls both.
+Owns `INTERPRET` (Triton's own TRITON_INTERPRET, read once here: under the interpreter the
+kernels pick small blocks and skip what it cannot run), `launch_options(device, pdl)` (a
+kernel's USE_PDL constexpr and Triton's launch_pdl option; `pdl` is the caller's switch,
+`KernelSwitches.pdl`), the grid-dependency calls `gdc_wait` / `gdc_launch_dependents` (no-ops
+on a Triton without them) and `pdl_start`, the prologue that calls both.
 
 A kernel launched with PDL may start while the previous kernel in the stream (or CUDA graph)
 is still running. Invariants every such kernel keeps:
@@ -14,7 +16,8 @@ is still running. Invariants every such kernel keeps:
 - `gdc_launch_dependents()` lets the next kernel launch early; that kernel still waits for
   this one to complete in its own `gdc_wait`, so calling it first thing is always safe.
 Measured on an H200 (batch-1 decode step, benchmarks/profile_decode.py --pdl off on): the
-decoder's kernels under PDL took qwen3-0.6b 1.003 -> 0.958 ms, llama-3.1-8b 4.363 -> 4.256 ms.
+decoder's kernels under PDL took qwen3-0.6b 1.003 -> 0.958 ms, llama-3.1-8b 4.363 -> 4.256 ms
+(benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -53,12 +56,12 @@ def pdl_start(USE_PDL: tl.constexpr):
         gdc_wait()
 
 
-PDL = os.environ.get("NANOSERVE_PDL", "1") != "0"  # read at each launch: tests may flip it
 _supported: dict[int, bool] = {}
 
 
-def enabled(device: torch.device) -> bool:
-    if not PDL or INTERPRET or not HAS_GDC or device.type != "cuda":
+def enabled(device: torch.device, pdl: bool = True) -> bool:
+    """Whether a launch on `device` uses PDL: asked for, and the GPU and Triton have it."""
+    if not pdl or INTERPRET or not HAS_GDC or device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _supported:
@@ -69,6 +72,6 @@ def enabled(device: torch.device) -> bool:
     return _supported[index]
 
 
-def launch_options(device: torch.device) -> dict:
+def launch_options(device: torch.device, pdl: bool = True) -> dict:
     """The kernels' USE_PDL constexpr and, when on, Triton's launch_pdl option."""
-    return {"USE_PDL": True, "launch_pdl": True} if enabled(device) else {"USE_PDL": False}
+    return {"USE_PDL": True, "launch_pdl": True} if enabled(device, pdl) else {"USE_PDL": False}

@@ -1,0 +1,402 @@
+"""Small-M matmul for decode batches: y = x W^T (+ b) for M = 1..256 rows, and the measured
+rule that decides when it runs instead of cuBLAS.
+
+cuBLAS picks tiles made for large M and, on small matrices, spends >= 5 us per call whatever
+M; these kernels stream W once with wide loads:
+- "fma": products and sums on the CUDA cores, a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulator
+  reduced over K once at the end (BLOCK_M = 1 is the GEMV). At one row it can also store its
+  outputs straight into the tensor-parallel peers' receive buffers as LL words (`ll_words`).
+- "dot": tensor-core tiles with M padded to BLOCK_M (rows past M are masked, never stored),
+  optionally split along K (`split_k` programs per output tile, each storing its fp32
+  partial to a workspace [split_k, M, N]; a second kernel adds the partials in split order
+  and rounds once, or `norm.rms_norm` adds them when it is the product's only consumer).
+`linear_config(M, N, K, dtype)` is the rule: a config, or None where cuBLAS is as fast.
+`linear_reference` is the torch reference the tests compare with.
+
+Invariants:
+- fp32 accumulation; each output element rounded once to the output dtype; a bias is added in
+  fp32 before that rounding (as cuBLAS's epilogue);
+- the split-K product is deterministic: the partials of an output element are added in split
+  order, each partial's K order fixed by the config, so repeat runs are bit-identical and a
+  row's result does not depend on the other rows of the batch (for a given config);
+- launchers read no device data on the host and allocate only outputs and workspaces whose
+  shapes come from the inputs' shapes, so they can be captured in CUDA graphs;
+- under PDL (`launch.py`) a kernel reads only weights before its `gdc_wait`;
+- x needs a dense last dim and W dense rows ([N, K], as nn.Linear stores it); `linear_config`
+  returns None otherwise, so callers fall back to cuBLAS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.launch import INTERPRET, launch_options, pdl_start
+from nanoserve.kernels.ll_words import _ll_push_row
+
+# Triton's interpreter computes bf16 tl.dot wrongly (see attention.py): under the interpreter
+# the dot kernel upcasts its operands to fp32. Compiled kernels never do.
+DOT_F32 = INTERPRET
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The slow twin: x W^T (+ b) in fp32, rounded once to x's dtype."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    kernel: str  # "fma" or "dot"
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+    split_k: int = 1  # "dot" only: programs along K, their fp32 partials summed by a second kernel
+
+
+SUM_BLOCK = 1024  # columns per program of the split-K sum
+
+
+@triton.jit
+def _tile_ranges(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's output rows (M), output columns (N) and the K offsets of one tile;
+    program axis 0 walks N, axis 1 walks M."""
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn, tl.arange(0, BLOCK_K)
+
+
+@triton.jit
+def _linear_fma_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym,
+    push_addrs, epoch_ptr, rank,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, LINE: tl.constexpr, PUSH_WORLD: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """PUSH_WORLD > 0 (one row, 2-byte y): each program also stores its outputs into every
+    peer's LL receive buffer (`_ll_push_row`), so the sum's kernel does not send them."""
+    rm, rn, rk = _tile_ranges(BLOCK_M, BLOCK_N, BLOCK_K)
+    # Rows past M or N re-read the last valid row (results never stored): loads stay unmasked
+    # along M and N, so full tiles keep 16-byte vector loads.
+    rm_in = tl.minimum(rm, M - 1).to(tl.int64)
+    rn_in = tl.minimum(rn, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + rm_in[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn_in[:, None] * stride_wn + rk[None, :]
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if USE_PDL:
+        # Under PDL this program may start while the previous kernel still runs: pull the first
+        # weight tile into L2 meanwhile (weights are never written), then wait before reading x.
+        # (More than one tile was slower: 2 x H200, RESULTS.md, seventh round.)
+        lines = tl.minimum(tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)  # within the rows
+        _prefetch_l2(w_ptr + rn_in[:, None] * stride_wn + lines[None, :])
+        pdl_start(USE_PDL)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs).to(tl.float32)
+        else:
+            k_mask = (k0 + rk) < K
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+        if BLOCK_M == 1:
+            acc += w * x
+        else:
+            acc += x[:, None, :] * w[None, :, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if BLOCK_M == 1:
+        y = tl.sum(acc, axis=1)[None, :]
+    else:
+        y = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn_in).to(tl.float32)[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if PUSH_WORLD > 0:
+        _ll_push_row(y, N, push_addrs, epoch_ptr, rank, y_ptr.dtype.element_ty, BLOCK_N, PUSH_WORLD)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the lines at `ptrs` (one pointer per 128-byte line); nothing waits for them."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _linear_dot_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (n, m, s): output tile (m, n) over K[s * K_SPLIT, (s + 1) * K_SPLIT) (K_SPLIT a
+    multiple of BLOCK_K; the last split is masked at K). SPLIT_K == 1: adds the bias and stores
+    the tile in y's dtype. SPLIT_K > 1: y is the fp32 workspace [SPLIT_K, M, N] (dense) and the
+    unrounded partial goes to plane s; `_sum_splits_kernel` adds the planes."""
+    pdl_start(USE_PDL)
+    rm, rn, rk = _tile_ranges(BLOCK_M, BLOCK_N, BLOCK_K)
+    if SPLIT_K > 1:
+        rk += tl.program_id(2) * K_SPLIT
+    rn_in = tl.minimum(rn, N - 1).to(tl.int64)
+    m_mask = rm < M
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn_in[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N] view of W^T
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = (k0 + rk) < K
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        if UPCAST:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        elif x.dtype == tl.float32:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    mask = m_mask[:, None] & (rn[None, :] < N)
+    if SPLIT_K > 1:
+        plane = y_ptr + tl.program_id(2).to(tl.int64) * M * N
+        tl.store(plane + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn_in).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_planes(ptrs, plane, mask, SPLITS: tl.constexpr):
+    """The split-K partials at `ptrs` in planes `plane` elements apart, added in split order
+    in fp32 (the one order every reader of a split-K workspace uses)."""
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(ptrs + s * plane, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
+def _sum_splits_kernel(
+    ws_ptr, b_ptr, y_ptr, M, N, stride_ym,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (n, m): y[m, cols] = ((ws[0, m] + ws[1, m]) + ...) + b over a block of columns,
+    planes added in split order in fp32 and rounded once to y's dtype."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.program_id(1).to(tl.int64)
+    mask = cols < N
+    if HAS_BIAS:  # a weight: read before the wait
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_start(USE_PDL)
+    plane = tl.num_programs(1).to(tl.int64) * N  # M (an M of 1 arrives as a constexpr)
+    acc = _sum_planes(ws_ptr + row * N + cols, plane, mask, SPLIT_K)
+    if HAS_BIAS:
+        acc += b
+    tl.store(y_ptr + row * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def small_m_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: LinearConfig,
+    out: torch.Tensor | None = None,
+    partials_only: bool = False,
+    push: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    pdl: bool = True,
+) -> torch.Tensor:
+    """y = x W^T (+ b) for x [M, K] (dense last dim), weight [N, K] (dense rows). `out` is an
+    optional [M, N] result buffer with dense rows, in x's dtype or fp32 (then the fp32
+    accumulator is stored unrounded); without it the result is a new [M, N] in x's dtype.
+    A split-K config (`config.split_k` > 1) also allocates its fp32 workspace
+    [split_k, M, N] here, from the caching allocator (a CUDA graph's pool under capture).
+    With `partials_only` (a split-K config, no bias) the sum is left out and the workspace
+    returned: `rms_norm` adds its planes as the sum kernel would. `push` = (dst_addrs,
+    epochs, rank) of an LL sum (where `can_push` allows): the row also goes to the peers."""
+    if partials_only and (config.split_k < 2 or bias is not None):
+        raise ValueError("partials_only needs a split-K config and no bias")
+    if out is None:
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    if push is not None and not can_push(config, x.shape[0], out.dtype):
+        raise ValueError("only the one-row fma kernel with 2-byte outputs pushes to the peers")
+    launches = _linear_launches(x, weight, bias, config, out, push, pdl)
+    if partials_only:
+        launches = launches[:1]
+    for kernel, grid, args, options in launches:
+        kernel[grid](*args, **options)
+    if partials_only:
+        _, _, dot_args, _ = launches[0]
+        return dot_args[3]  # the dot kernel's output: the fp32 workspace [split_k, M, N]
+    return out
+
+
+def compile_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: LinearConfig,
+    out: torch.Tensor,
+    pdl: bool = True,
+) -> None:
+    """Compile (without running) the kernels `small_m_linear` launches for these arguments: the
+    same launch arguments, so the same compile-cache keys (benchmarks compile ahead in threads)."""
+    for kernel, grid, args, options in _linear_launches(x, weight, bias, config, out, None, pdl):
+        kernel.warmup(*args, grid=grid, **options)
+
+
+def can_push(config: LinearConfig, M: int, out_dtype: torch.dtype) -> bool:
+    """Whether `small_m_linear` can send its result to the peers of an LL sum itself: one row
+    through the fma kernel (whole LL words per program), 2-byte outputs."""
+    return M == 1 and config.kernel == "fma" and config.block_n % 2 == 0 and out_dtype.itemsize == 2
+
+
+def _linear_launches(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: LinearConfig,
+    out: torch.Tensor,
+    push: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    pdl: bool = True,
+) -> list[tuple]:
+    """(kernel, grid, args, options) of each launch of the product, in launch order."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != K:
+        raise ValueError("small_m_linear needs x [M, K] and weight [N, K] with dense last dims")
+    c = config
+    if c.split_k < 1 or (c.split_k > 1 and c.kernel != "dot"):
+        raise ValueError(f"split_k={c.split_k}: only the dot kernel splits K (split_k >= 1)")
+    launch = launch_options(x.device, pdl)
+    b = bias if bias is not None else weight
+    common = {
+        "BLOCK_M": c.block_m,
+        "BLOCK_N": c.block_n,
+        "BLOCK_K": c.block_k,
+        "num_warps": c.num_warps,
+        "num_stages": c.num_stages,
+        **launch,
+    }
+    grid = (triton.cdiv(N, c.block_n), triton.cdiv(M, c.block_m), c.split_k)
+    if c.kernel == "fma":
+        line = min(c.block_k, 128 // weight.element_size())  # elements per 128-byte line
+        dst, epochs, rank = push if push is not None else (weight, weight, 0)  # unused without a push
+        args = (x, weight, b, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0), dst, epochs, rank)
+        world = 0 if push is None else dst.numel()
+        options = {"HAS_BIAS": bias is not None, "EVEN_K": K % c.block_k == 0, "LINE": line, "PUSH_WORLD": world}
+        options.update(common)
+        return [(_linear_fma_kernel, grid[:2], args, options)]
+    # Each split covers a whole number of K blocks; EVEN_K: every split's blocks lie within K.
+    k_split = triton.cdiv(triton.cdiv(K, c.split_k), c.block_k) * c.block_k
+    even_k = K % (c.block_k * c.split_k) == 0
+    dot = {"SPLIT_K": c.split_k, "EVEN_K": even_k, "UPCAST": DOT_F32, **common}
+    if c.split_k == 1:
+        args = (x, weight, b, out, M, N, K, k_split, x.stride(0), weight.stride(0), out.stride(0))
+        return [(_linear_dot_kernel, grid, args, {"HAS_BIAS": bias is not None, **dot})]
+    ws = torch.empty(c.split_k, M, N, dtype=torch.float32, device=x.device)
+    args = (x, weight, b, ws, M, N, K, k_split, x.stride(0), weight.stride(0), N)
+    block = min(SUM_BLOCK, triton.next_power_of_2(N))
+    sum_args = (ws, b, out, M, N, out.stride(0))
+    sum_options = {"HAS_BIAS": bias is not None, "SPLIT_K": c.split_k, "BLOCK": block, "num_warps": 4, **launch}
+    return [
+        (_linear_dot_kernel, grid, args, {"HAS_BIAS": False, **dot}),
+        (_sum_splits_kernel, (triton.cdiv(N, block), M), sum_args, sum_options),
+    ]
+
+
+# The rule, from `python benchmarks/profile_decode.py --gemv` on an H200 (2026-11-21): for the
+# decoder shapes of qwen3-0.6b and llama-3.1-8b at M = 1, 2, 4, 8 it timed cuBLAS (F.linear)
+# and a sweep of configs, each inside a CUDA graph of back-to-back calls over weight copies
+# larger than L2 (as decode streams each layer's weights from memory). What it showed:
+# - M = 1: the fma GEMV beat cuBLAS on all ten shapes, 1.03x (large: LM heads, llama
+#   gate_up) to 4x (qwen3 o_proj 1024x2048, where cuBLAS reached 0.33 TB/s). Few rows
+#   (N <= 2048) are latency-bound: 2-row tiles over long K spread the matrix over the most
+#   programs (0.96-1.04x of the best config there); otherwise 4 x 1024 tiles on 2 warps were
+#   within 9% of the best config of every shape (mostly 0-5%).
+# - M = 2..4: cuBLAS matched or beat every Triton config except on small matrices (N*K <= 2M
+#   elements: qwen3 o_proj), where it is 2.3x slower than the fma kernel with 2-row tiles.
+# - M = 2..8 on vocabulary projections (N >= 65536): the dot kernel beat cuBLAS by 2-4%.
+# - everything else (M = 5..8, M = 2..4 on larger matrices): cuBLAS, by up to 1.25x.
+# M = 9..256, from `python benchmarks/gemm_decode.py --model qwen3` on an H200 (2026-11-21,
+# the same timing method; a config sweep at M = 16, 32, 64, 128, 192, 256, then this rule
+# against cuBLAS at M = 16..256 in a second run; cuBLAS takes >= 5.3 us per call however small
+# the matrix). Taken where a config beat cuBLAS by >= 5% in the sweep, generalised by shape:
+# - narrow matrices (N <= 1024 outputs, K >= 2048, N*K <= 4M elements: qwen3 o_proj 1024x2048
+#   and down 1024x3072) give cuBLAS too few output tiles; split-K (2 or 4 programs along K),
+#   with the sweep's best config per M range. Rule / cuBLAS in the second run: down 0.63-0.71
+#   at M <= 128, 0.89-0.93 at 192-256; o_proj 0.69-0.99 (0.93-0.95 at 192-256) except 1.055
+#   at M = 32, where the sweep had measured 0.81 with the same config (run-to-run noise of
+#   these 4-6 us timings is up to ~20%: kept, to be re-measured).
+# - the LM head at hidden <= 1024 (qwen3 151936x1024): the unsplit dot kernel, 0.94 of
+#   cuBLAS at M = 16 and 32 in both runs; cuBLAS from 48 rows.
+# - not taken: qwen3 qkv 4096x1024 at M = 16 (split-2: 0.92 of cuBLAS in the sweep, 0.99 in
+#   the second run), gate_up 6144x1024 (cuBLAS as fast or faster at every M).
+# Llama-3.1-8b's shapes were not swept at M > 8: no rule above matches them, so cuBLAS.
+# Split-K configs are only returned where each split is a whole number of K blocks
+# (K % (split_k * block_k) == 0): no masked tail, every split the same length.
+MAX_M = 256
+_FAST_DTYPES = (torch.bfloat16, torch.float16)
+_rule_cache: dict[tuple[int, int, int, torch.dtype], LinearConfig | None] = {}
+
+
+def linear_config(M: int, N: int, K: int, dtype: torch.dtype) -> LinearConfig | None:
+    """The launch config for an [M, K] x [N, K]^T product on CUDA, or None for cuBLAS."""
+    key = (M, N, K, dtype)
+    if key not in _rule_cache:
+        _rule_cache[key] = _choose(M, N, K, dtype)
+    return _rule_cache[key]
+
+
+def _choose(M: int, N: int, K: int, dtype: torch.dtype) -> LinearConfig | None:
+    if dtype not in _FAST_DTYPES or not 1 <= M <= MAX_M or K % 8:  # K % 8: 16-byte rows
+        return None
+    if M <= 8:
+        return _choose_few_rows(M, N, K)
+    if N >= 65536 and K <= 1024 and M <= 32:
+        return LinearConfig("dot", 16 if M <= 16 else 32, 128, 128, num_warps=4, num_stages=3)
+    config = None
+    if N <= 1024 and K >= 2048 and N * K <= 2**22:
+        if M <= 16:
+            config = LinearConfig("dot", 16, 32, 128, num_warps=4, num_stages=4, split_k=4)
+        elif M <= 32:
+            config = LinearConfig("dot", 16, 64, 128, num_warps=4, num_stages=4, split_k=4)
+        elif M <= 64:
+            config = LinearConfig("dot", 64, 32, 128, num_warps=4, num_stages=4, split_k=4)
+        elif M <= 128 and K >= 3072:  # down: 4 splits of 768, 64-wide tiles
+            config = LinearConfig("dot", 64, 64, 128, num_warps=4, num_stages=4, split_k=4)
+        elif M <= 128:  # o_proj: 2 splits of 1024, 32-wide tiles
+            config = LinearConfig("dot", 64, 32, 128, num_warps=4, num_stages=4, split_k=2)
+        else:
+            config = LinearConfig("dot", 64, 64, 128, num_warps=4, num_stages=4, split_k=2)
+    if config is None or K % (config.split_k * config.block_k):
+        return None
+    return config
+
+
+def _choose_few_rows(M: int, N: int, K: int) -> LinearConfig | None:
+    """M = 1..8 (see the rule above)."""
+    if M == 1:
+        if N <= 2048:
+            return LinearConfig("fma", 1, 2, min(2048, triton.next_power_of_2(K)), num_warps=8)
+        return LinearConfig("fma", 1, 4, min(1024, triton.next_power_of_2(K)), num_warps=2)
+    if M <= 4 and N * K <= 2**21:
+        return LinearConfig("fma", triton.next_power_of_2(M), 2, 512, num_warps=4)
+    if N >= 65536:
+        return LinearConfig("dot", 16, 64, 128, num_warps=4, num_stages=3)
+    return None

@@ -1,0 +1,111 @@
+"""RMSNorm of each row, optionally after adding the residual (returning the sum too), one
+program per row; it also sums a split-K product's fp32 partials first (`linear.py`), so that
+product needs no sum kernel of its own.
+
+As fast as the torch.compile'd reference (1.46 vs 1.45 us per call at hidden 1024, 1.92 vs
+2.16 at 4096 on an H200) and, unlike it, lets the next matmul launch early under PDL.
+`rms_norm_reference` / `add_rms_norm_reference` are the torch references (and the CPU path).
+
+Invariants: fp32 statistics; the sum with the residual is rounded to the dtype before the norm
+reads it, and the normalised value is rounded before the weight multiplies it, as the
+reference does, so both agree within one rounding step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.launch import launch_options, pdl_start
+from nanoserve.kernels.linear import _sum_planes
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(RMSNorm(x + residual), x + residual)."""
+    x = x + residual
+    return rms_norm_reference(x, weight, eps), x
+
+
+@triton.jit
+def _lanes(d, HALF: tl.constexpr):
+    """The valid lanes of a half head. A power-of-two half needs no lane mask: leaving it out
+    keeps the loads 16 bytes wide (Triton cannot see that `d < HALF` is all true)."""
+    if HALF == d.shape[0]:
+        return tl.full(d.shape, 1, tl.int1)
+    return d < HALF
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, stride_plane, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Program r: row r of x (SPLITS == 0), or of the sum of SPLITS fp32 planes of a split-K
+    product (x_ptr: the workspace [SPLITS, M, N], planes `stride_plane` apart), added in
+    split order and rounded once to the output dtype exactly as `_sum_splits_kernel` would;
+    then the residual add and the norm."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = _lanes(cols, N)
+    dtype = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_start(USE_PDL)  # the next matmul starts streaming its weights now
+    if SPLITS > 0:
+        x = _sum_planes(x_ptr + row * stride_x + cols, stride_plane, mask, SPLITS).to(dtype)  # its one rounding
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(dtype)  # the sum is rounded before the norm reads it, as in the reference
+        tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    y = _rms_normalize(x, w, eps, N, dtype)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+@triton.jit
+def _rms_normalize(x, w, eps, N: tl.constexpr, dtype: tl.constexpr):
+    """One row x (fp32, masked lanes zero) normalised and scaled by w, rounded to dtype: the
+    normalised value is rounded before the weight multiplies it, as in the reference."""
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    return ((x * inv).to(dtype).to(tl.float32) * w).to(dtype)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl: bool = True
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of the rows of x [T, N] (dense rows); with `residual` [T, N], of x + residual,
+    returning (normed, x + residual) like `add_rms_norm_reference`. Outputs in x's dtype.
+
+    x may also be a split-K product's unsummed fp32 partials [S, T, N] (dense; see
+    `small_m_linear(..., partials_only=True)`), with the outputs in weight's dtype: the planes
+    are summed in split order and rounded once to that dtype first, so the result is
+    bit-identical to summing them with the product's own sum kernel, in one launch less."""
+    splits = x.shape[0] if x.dim() == 3 else 0
+    if splits and not x.is_contiguous():
+        raise ValueError("split-K partials must be dense [S, T, N]")
+    tokens, n = x.shape[-2:]
+    if x.stride(-1) != 1 or (residual is not None and (residual.shape != (tokens, n) or residual.stride(1) != 1)):
+        raise ValueError("rms_norm needs rows with a dense last dim")
+    dtype = weight.dtype if splits else x.dtype
+    out = torch.empty(tokens, n, dtype=dtype, device=x.device)
+    total = torch.empty_like(out) if residual is not None else out
+    if tokens:
+        block = triton.next_power_of_2(n)
+        r = residual if residual is not None else out
+        _rms_norm_kernel[(tokens,)](
+            x, r, weight, out, total, x.stride(-2), r.stride(0), out.stride(0), total.stride(0),
+            tokens * n if splits else 0, eps,
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, SPLITS=splits,
+            num_warps=min(16, max(1, block // 256)), **launch_options(x.device, pdl),
+        )  # fmt: skip
+    return out if residual is None else (out, total)
