@@ -19,6 +19,8 @@ run: setup
 	$(PYTHON) -m nanoserve.cli serve --show-examples
 
 test: setup
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m pytest -q
 
 test-gpu:
