@@ -67,8 +67,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     if config.node_rank > 0:  # multi-host tensor parallelism: this host runs worker ranks only
         from nanoserve.distributed.tp_runner import run_worker_node
+        from nanoserve.engine.llm_engine import serve_worker_rank
 
-        return run_worker_node(config)
+        return run_worker_node(config, serve_worker_rank)
     llm = LLM(config=config)
     use_chat = not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)
     if use_chat:

@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig, add_engine_args, engine_config_from_args
 from nanoserve.engine.piecewise_graph import PiecewiseGraphs, largest_winning_size, piecewise_sizes
+from nanoserve.kernels.norm import rms_norm_reference
+from nanoserve.kernels.rotary import rope_reference
 from nanoserve.kvcache.pool import PageTable
-from nanoserve.models.layers import rms_norm_plain, rope_plain
 from nanoserve.scheduler.request import Request
 from nanoserve.scheduler.scheduler import ScheduledBatch
 from tests.tiny import TINY_CONFIGS, VOCAB, make_tiny_model, random_prompts
@@ -110,24 +111,24 @@ def reference_hidden(model, input_ids: torch.Tensor, lengths: list[int]) -> torc
         positions = torch.arange(n)
         for layer in model.layers:
             a = layer.self_attn
-            h = rms_norm_plain(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
+            h = rms_norm_reference(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
             qkv = F.linear(h, a.qkv_proj.weight, a.qkv_proj.bias)
             q, k, v = qkv.split(
                 [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], -1
             )
             q, k, v = (t.reshape(n, -1, a.head_dim) for t in (q, k, v))
             if a.q_norm is not None:
-                q = rms_norm_plain(q, a.q_norm.weight, a.q_norm.eps)
-                k = rms_norm_plain(k, a.k_norm.weight, a.k_norm.eps)
-            q, k = rope_plain(positions, q, k, model.rotary.cos, model.rotary.sin)
+                q = rms_norm_reference(q, a.q_norm.weight, a.q_norm.eps)
+                k = rms_norm_reference(k, a.k_norm.weight, a.k_norm.eps)
+            q, k = rope_reference(positions, q, k, model.rotary.cos, model.rotary.sin)
             group = a.num_heads // a.num_kv_heads
             k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
             o = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=a.scale)
             x = x + F.linear(o.transpose(0, 1).reshape(n, -1), a.o_proj.weight)
-            h = rms_norm_plain(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+            h = rms_norm_reference(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
             gate, up = F.linear(h, layer.mlp.gate_up_proj.weight).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
-        out.append(rms_norm_plain(x, model.norm.weight, model.norm.eps))
+        out.append(rms_norm_reference(x, model.norm.weight, model.norm.eps))
         start += n
     return torch.cat(out)
 

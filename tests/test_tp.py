@@ -36,9 +36,9 @@ from nanoserve.distributed.tp_runner import (
     pack_step,
     unpack_step,
 )
-from nanoserve.engine.model_runner import ForwardInputs
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.step import ForwardInputs
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE = {
@@ -502,7 +502,7 @@ def test_all_reduce_rms_norm_kernel_interpreted(rank):
     signalled: the sum over ranks + residual and its RMSNorm match the plain torch ops (fp32,
     where the interpreter rounds as torch), rows beyond the programs are covered (6 rows, 4
     programs), it signals the peer with its call count, and the counts go on across calls."""
-    from nanoserve.models.layers import add_rms_norm_plain
+    from nanoserve.kernels.norm import add_rms_norm_reference
 
     gen = torch.Generator().manual_seed(rank)
     rows, width, programs, eps = 6, 48, 4, 1e-6
@@ -515,7 +515,7 @@ def test_all_reduce_rms_norm_kernel_interpreted(rank):
         weight = 1 + 0.1 * torch.randn(width, generator=gen)
         flags[rank][:, peer] = call  # the peer's programs have published their partials
         out, total = _interpreted_rank_call(rank, parts, flags, epochs, residual, weight, eps)
-        want_out, want_total = add_rms_norm_plain(parts[0] + parts[1], residual, weight, eps)
+        want_out, want_total = add_rms_norm_reference(parts[0] + parts[1], residual, weight, eps)
         torch.testing.assert_close(total, want_total, rtol=0, atol=0)
         torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
         assert (epochs == call).all() and (flags[peer][:, rank] == call).all() and (flags[rank][:, rank] == call).all()
@@ -546,7 +546,7 @@ def test_ll_all_reduce_rms_norm_kernel_interpreted(rank, dtype):
     embedding's sum) gives the plain sum and its norm. Integer-valued inputs keep every sum
     exact, so the sums compare bit for bit in both dtypes."""
     from nanoserve.kernels.all_reduce import ll_all_reduce_rms_norm
-    from nanoserve.models.layers import add_rms_norm_plain, rms_norm_plain
+    from nanoserve.kernels.norm import add_rms_norm_reference, rms_norm_reference
 
     gen = torch.Generator().manual_seed(rank)
     rows, width, programs, eps = 6, 48, 4, 1e-6
@@ -563,7 +563,7 @@ def test_ll_all_reduce_rms_norm_kernel_interpreted(rank, dtype):
         weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype)
         recv[peer, : rows * per_row] = _words(parts[peer], call)  # the peer's words have arrived
         out, total = ll_all_reduce_rms_norm(parts[rank], dst, recv, epochs, rank, residual, weight, eps)
-        want_out, want_total = add_rms_norm_plain(
+        want_out, want_total = add_rms_norm_reference(
             parts[0].float() + parts[1].float(), residual.float(), weight.float(), eps
         )
         assert torch.equal(total.float(), want_total), call
@@ -574,7 +574,7 @@ def test_ll_all_reduce_rms_norm_kernel_interpreted(rank, dtype):
     recv[peer, : rows * per_row] = _words(parts[peer], 3)
     out, total = ll_all_reduce_rms_norm(parts[rank], dst, recv, epochs, rank, None, weight, eps)
     assert total.dtype == weight.dtype and torch.equal(total.float(), parts[0].float() + parts[1].float())
-    torch.testing.assert_close(out.float(), rms_norm_plain(total.float(), weight.float(), eps), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out.float(), rms_norm_reference(total.float(), weight.float(), eps), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.skipif(
@@ -589,7 +589,7 @@ def test_one_row_matmul_pushes_its_words_interpreted(rank, block_n):
     itself and sums as usual. Integer-valued bf16 operands: exact products."""
     from nanoserve.kernels.all_reduce import ll_all_reduce_rms_norm
     from nanoserve.kernels.linear import LinearConfig, can_push, small_m_linear
-    from nanoserve.models.layers import add_rms_norm_plain
+    from nanoserve.kernels.norm import add_rms_norm_reference
 
     gen = torch.Generator().manual_seed(10 + rank)
     n, k, eps, peer = 48, 64, 1e-6, 1 - rank
@@ -618,7 +618,7 @@ def test_one_row_matmul_pushes_its_words_interpreted(rank, block_n):
     weight = torch.ones(n, dtype=torch.bfloat16)
     out, total = ll_all_reduce_rms_norm(part, dst, recv, epochs, rank, residual, weight, eps, sent=True)
     parts = (part, peer_part) if rank == 0 else (peer_part, part)
-    want_out, want_total = add_rms_norm_plain(
+    want_out, want_total = add_rms_norm_reference(
         parts[0].float() + parts[1].float(), residual.float(), weight.float(), eps
     )
     assert torch.equal(total.float(), want_total) and epochs[0] == 7

@@ -267,7 +267,7 @@ def setup_symm_all_reduce(ctx, single_host: bool, switches: KernelSwitches) -> S
         # The same on every rank (the environment is inherited; --nnodes is one setting), so
         # no agreement is needed. Peer-to-peer loads reach only the GPUs of one host.
         if ctx.rank == 0:
-            why = "NANOSERVE_SYMM_MEM=0" if single_host else "ranks on several hosts"
+            why = "the symm_mem switch is off" if single_host else "ranks on several hosts"
             log.info("tensor parallel: NCCL for every all-reduce (%s)", why)
         return None
     symm, reason = None, None

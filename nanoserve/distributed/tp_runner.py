@@ -6,7 +6,9 @@ Process layout (N = tensor_parallel_size, L = N / nnodes ranks per host):
   rank loads its shard at the same time; on hosts 1..nnodes-1, `run_worker_node` (the same
   command with `--node-rank k`) spawns that host's ranks. All join torch.distributed at
   `dist_init_addr` (default: a free port on 127.0.0.1).
-- Every rank builds the same `LLMEngine` (worker ranks are marked by `_WORKER`), so the
+- Every rank builds the same `LLMEngine` (worker ranks are marked by `_WORKER`; the engine
+  hands `init_tensor_parallel` the function a worker runs, so this module never imports the
+  engine, and both meet only in nanoserve/step.py's types), so the
   model shard (`TPGroup(rank, N)`: each layer's weight_loader keeps its slice), the KV plan
   and the runner are built by one code path. Each rank plans its KV capacity from its own
   memory; `agree_kv_plan` gathers the page counts, every rank takes the minimum, and
@@ -81,6 +83,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -96,7 +99,7 @@ from nanoserve.distributed.process_group import (
     init_distributed,
 )
 from nanoserve.distributed.symm_all_reduce import setup_symm_all_reduce
-from nanoserve.engine.model_runner import ForwardInputs, KVPlan
+from nanoserve.step import ForwardInputs, KVPlan
 
 log = logging.getLogger("nanoserve")
 
@@ -328,8 +331,11 @@ def _within(fn, timeout_s: float) -> bool:
     return not thread.is_alive()
 
 
-def init_tensor_parallel(config) -> TPGroup:
-    """This process's TPGroup; at rank 0 spawns the local worker ranks and joins them."""
+def init_tensor_parallel(config, serve_rank: Callable) -> TPGroup:
+    """This process's TPGroup; at rank 0 spawns the local worker ranks and joins them.
+    `serve_rank(config)` is what a spawned worker rank runs (the engine's
+    `serve_worker_rank`: build the same engine, then execute rank 0's steps until shutdown);
+    it must be a module-level function (spawned processes import it by name)."""
     global _RUNTIME
     n = config.tensor_parallel_size
     if n == 1:
@@ -346,7 +352,7 @@ def init_tensor_parallel(config) -> TPGroup:
         if _RUNTIME is not None or dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process: shut it down first")
         rank, addr = 0, config.dist_init_addr or f"127.0.0.1:{free_port()}"
-        procs = _spawn_ranks(config, range(1, local_world), addr)
+        procs = _spawn_ranks(config, range(1, local_world), addr, serve_rank)
     local_rank = rank % local_world
     # A worker's config already names its own GPU (worker_main applied rank_config);
     # rank 0's may say just "cuda", which rank_config turns into its first GPU.
@@ -383,13 +389,13 @@ def _check_started(procs) -> None:
         raise RuntimeError(f"worker ranks exited while starting: {', '.join(dead)} (see their log above)")
 
 
-def _spawn_ranks(config, ranks, addr: str, parent_pid: int | None = None) -> list:
+def _spawn_ranks(config, ranks, addr: str, serve_rank: Callable, parent_pid: int | None = None) -> list:
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for r in ranks:
         p = ctx.Process(
             target=worker_main,
-            args=(config, r, addr, os.getpid() if parent_pid is None else parent_pid),
+            args=(config, r, addr, os.getpid() if parent_pid is None else parent_pid, serve_rank),
             name=f"nanoserve-tp-rank{r}",
             daemon=True,
         )
@@ -566,8 +572,8 @@ def _release_graphs(runner) -> None:
     runner.graphs = runner.piecewise = None
 
 
-def worker_main(config, rank: int, init_addr: str, parent_pid: int | None) -> None:
-    """Entry point of a worker rank's process (spawned)."""
+def worker_main(config, rank: int, init_addr: str, parent_pid: int | None, serve_rank: Callable) -> None:
+    """Entry point of a worker rank's process (spawned): runs `serve_rank(config)`."""
     global _WORKER
     if parent_pid is not None:
         _die_with_parent(parent_pid)
@@ -576,12 +582,9 @@ def worker_main(config, rank: int, init_addr: str, parent_pid: int | None) -> No
     local_world = config.tensor_parallel_size // config.nnodes
     config = rank_config(config, rank % local_world)
     _WORKER = (rank, init_addr)
-    from nanoserve.engine.llm_engine import LLMEngine
-
     code = 0
     try:
-        engine = LLMEngine(config)
-        engine.runner.serve()
+        serve_rank(config)
     except BaseException:
         log.exception("tensor-parallel rank %d failed", rank)
         code = 1
@@ -591,12 +594,13 @@ def worker_main(config, rank: int, init_addr: str, parent_pid: int | None) -> No
     os._exit(code)
 
 
-def run_worker_node(config) -> int:
-    """Host `node_rank` > 0 of a multi-host group: run this host's ranks until rank 0 ends
-    them (same command as node 0, plus --node-rank). Returns the worst exit code."""
+def run_worker_node(config, serve_rank: Callable) -> int:
+    """Host `node_rank` > 0 of a multi-host group: run this host's ranks (each
+    `serve_rank(config)`, see init_tensor_parallel) until rank 0 ends them (same command as
+    node 0, plus --node-rank). Returns the worst exit code."""
     local_world = config.tensor_parallel_size // config.nnodes
     first = config.node_rank * local_world
-    procs = _spawn_ranks(config, range(first, first + local_world), config.dist_init_addr)
+    procs = _spawn_ranks(config, range(first, first + local_world), config.dist_init_addr, serve_rank)
 
     def stop(signum, frame):
         for _, p in procs:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -38,9 +37,7 @@ from tqdm import tqdm
 from nanoserve.attention.base import AttentionMetadata, CascadeInputs
 from nanoserve.attention.cascade import ITEM_FIELDS, MIN_CASCADE_BATCH, max_cascade_items
 from nanoserve.engine.packed_inputs import PackedLayout
-
-if TYPE_CHECKING:
-    from nanoserve.engine.model_runner import ForwardInputs, ModelRunner
+from nanoserve.step import ForwardInputs
 
 log = logging.getLogger("nanoserve")
 
@@ -84,7 +81,7 @@ def default_max_bs(device: torch.device, max_num_seqs: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_bs: int, max_seq_len: int, cascade: bool = False):
+    def __init__(self, runner, max_bs: int, max_seq_len: int, cascade: bool = False):
         # `runner` is not kept: it owns these graphs, and a reference back would make the pair a
         # cycle that only the garbage collector frees (with the KV cache behind it).
         self.max_bs = max_bs
@@ -139,8 +136,6 @@ class DecodeGraphs:
         return table
 
     def _static_inputs(self, bs: int, cascade: bool) -> ForwardInputs:
-        from nanoserve.engine.model_runner import ForwardInputs
-
         v = self.views(bs, cascade)
         meta = AttentionMetadata(
             is_decode=True,
@@ -158,7 +153,7 @@ class DecodeGraphs:
         return ForwardInputs(v["input_ids"], v["positions"], meta, None)
 
     @torch.inference_mode()
-    def capture(self, runner: ModelRunner) -> None:
+    def capture(self, runner) -> None:
         """Capture every graph by running `runner`'s forward on the static inputs."""
         dev = runner.device
         cfg = runner.model.config

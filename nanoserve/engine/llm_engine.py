@@ -45,9 +45,15 @@ from nanoserve.tokenizer import load_tokenizer
 log = logging.getLogger("nanoserve")
 
 
+def serve_worker_rank(config: EngineConfig) -> None:
+    """What a tensor-parallel worker rank runs (spawned by distributed.tp_runner): the same
+    engine as rank 0, whose runner then executes rank 0's broadcast steps until shutdown."""
+    LLMEngine(config).runner.serve()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        tp = init_tensor_parallel(config)  # TP > 1: rank 0 spawns and joins the worker ranks
+        tp = init_tensor_parallel(config, serve_worker_rank)  # TP > 1: rank 0 spawns and joins the worker ranks
         log_nondefault(config.switches)
         self.config = config
         started = time.perf_counter()

@@ -11,7 +11,6 @@ vocabulary.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,22 +26,12 @@ from nanoserve.kvcache.pool import KVCache
 from nanoserve.models.decoder import DecoderLM, kv_heads_per_rank
 from nanoserve.models.model_config import ModelConfig
 from nanoserve.scheduler.scheduler import ScheduledBatch
+from nanoserve.step import ForwardInputs, KVPlan
 
 log = logging.getLogger("nanoserve")
 
 CPU_DEFAULT_KV_GIB = 1.0
 CPU_MAX_DEFAULT_TOKENS = 262_144
-
-
-@dataclass(frozen=True)
-class KVPlan:
-    num_pages: int
-    page_size: int
-    bytes_per_token: int
-
-    @property
-    def num_tokens(self) -> int:
-        return (self.num_pages - 1) * self.page_size  # page 0 is reserved
 
 
 def plan_kv_capacity(
@@ -358,17 +347,3 @@ class ModelRunner:
 
 # The fields of a decode step with one entry per row (cu_query_lens and the table aside).
 _PER_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "req_slots", "pool_index", "seq_lens", "prefix_lens")
-
-
-@dataclass
-class ForwardInputs:
-    """Everything one forward pass reads: a plain bundle of device tensors, so it can be
-    handed to other ranks or copied into a CUDA graph's static buffers."""
-
-    input_ids: torch.Tensor  # long [T]
-    positions: torch.Tensor  # long [T]
-    meta: AttentionMetadata
-    logit_rows: torch.Tensor | None  # long [R]: rows of the hidden states to project; None: all
-    graph_bs: int | None = None  # padded size of the decode graph to replay, None: eager
-    num_reqs: int = 0  # real requests (rows past it are padding)
-    req_slots: torch.Tensor | None = None  # long [num_reqs]: each request's slot (rank 0 only, not broadcast)

@@ -75,8 +75,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"nanoserve serve: {exc}") from None
     if config.node_rank > 0:  # multi-host tensor parallelism: this host runs worker ranks only
         from nanoserve.distributed.tp_runner import run_worker_node
+        from nanoserve.engine.llm_engine import serve_worker_rank
 
-        return run_worker_node(config)
+        return run_worker_node(config, serve_worker_rank)
     return run_server(
         config,
         served_name=args.served_model_name or args.model,

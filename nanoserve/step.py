@@ -1,0 +1,38 @@
+"""What the engine and the tensor-parallel ranks exchange, in one module both import (neither
+imports the other's modules for it): `ForwardInputs`, the device tensors one forward pass
+reads (rank 0 broadcasts them to the workers each step), and `KVPlan`, the KV cache's size
+(each rank plans its own; `distributed.tp_runner.agree_kv_plan` takes the minimum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.attention.base import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    num_pages: int
+    page_size: int
+    bytes_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.num_pages - 1) * self.page_size  # page 0 is reserved
+
+
+@dataclass
+class ForwardInputs:
+    """Everything one forward pass reads: a plain bundle of device tensors, so it can be
+    handed to other ranks or copied into a CUDA graph's static buffers."""
+
+    input_ids: torch.Tensor  # long [T]
+    positions: torch.Tensor  # long [T]
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor | None  # long [R]: rows of the hidden states to project; None: all
+    graph_bs: int | None = None  # padded size of the decode graph to replay, None: eager
+    num_reqs: int = 0  # real requests (rows past it are padding)
+    req_slots: torch.Tensor | None = None  # long [num_reqs]: each request's slot (rank 0 only, not broadcast)
