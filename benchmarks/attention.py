@@ -30,7 +30,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from nanoserve.attention import triton_kernels as tk  # noqa: E402
+from nanoserve.kernels import attention as tk  # noqa: E402
 
 DEV = "cuda"
 HQ, HKV, D, PAGE = 32, 8, 128, 16

@@ -25,7 +25,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from nanoserve.attention import triton_kernels as tk
+from nanoserve.kernels import attention as tk
 from nanoserve.attention.base import CascadeInputs
 from nanoserve.attention.cascade import MAX_CASCADE_PARTS, max_cascade_items, plan_cascade
 

@@ -21,7 +21,7 @@ streams its weights from HBM (median of 20 replays, `attention.graph_ms`). Metho
 Per call it reports µs, weight TB/s (N*K*2 bytes over time), TFLOP/s (2*M*N*K over time) and
 the floor (weight bytes over the copy ceiling: a 1 GiB device-to-device copy, read + write).
 The Triton kernels compile up front in a thread pool (Triton's AsyncCompileMode, when present).
-They launch with programmatic dependent launch as the engine's do (NANOSERVE_PDL=0: without).
+They launch with programmatic dependent launch, as the engine's do.
 At the end a markdown table per (shape, M) and the GEMM time per decode step (layers x
 (qkv + o + gate_up + down) + lm_head) per method, also written to $OUT/gemm_decode.md.
 --smoke (CPU, TRITON_INTERPRET=1): the kernels against F.linear on tiny shapes for 1-4 splits,
@@ -48,9 +48,9 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attention import copy_ceiling, graph_ms
 
-from nanoserve import triton_pdl
-from nanoserve.models import triton_ops
-from nanoserve.models.triton_ops import LinearConfig
+from nanoserve.kernels import linear as triton_ops
+from nanoserve.kernels.launch import INTERPRET
+from nanoserve.kernels.linear import LinearConfig
 
 DT = torch.bfloat16
 # (label, N, K) of the weights [N, K]; layer count; the decoder-layer shapes repeat per layer.
@@ -291,7 +291,7 @@ def report(model: str, rows: list[Row], ceiling: float, device: str) -> str:
 def smoke() -> None:
     """Interpreter check (TRITON_INTERPRET=1, CPU) of the engine's kernels as the sweep launches
     them (1-4 splits, ragged M, N and K) and of the sweep's config counts."""
-    if not triton_ops.INTERPRET:
+    if not INTERPRET:
         sys.exit("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(0)
     for M, N, K in ((5, 48, 256), (16, 64, 200), (33, 40, 96)):
@@ -338,7 +338,7 @@ def main() -> None:
         shapes = [s for s in shapes if s[0] in args.shapes]
     device = torch.cuda.get_device_name(0)
     print(f"device: {device}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    print(f"default BLAS: {torch.backends.cuda.preferred_blas_library()}, PDL {triton_pdl.PDL}, "
+    print(f"default BLAS: {torch.backends.cuda.preferred_blas_library()}, "
           f"L2 {torch.cuda.get_device_properties(0).L2_cache_size / 2**20:.0f} MiB", flush=True)  # fmt: skip
     start = time.perf_counter()
     ceiling = copy_ceiling()

@@ -8,6 +8,7 @@ weights-bandwidth floor (weight bytes / device-to-device copy bandwidth of this 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import sys
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import copy_bandwidth, device_name, weight_bytes
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.models import layers
+from nanoserve.switches import KernelSwitches
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 256
@@ -69,10 +70,9 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--triton-ops", choices=["on", "off"], nargs="+", default=["on"],
-                    help="the Triton decode kernels (models/triton_ops.py); 'off on' measures both")  # fmt: skip
+                    help="the Triton decode kernels (nanoserve/kernels); 'off on' measures both")  # fmt: skip
     args = ap.parse_args()
     for name, ops in ((n, o) for n in args.models for o in args.triton_ops):
-        layers.TRITON_OPS = ops == "on"
         llm = LLM(
             name,
             load_format="dummy",
@@ -81,6 +81,7 @@ def main() -> None:
             max_num_seqs=8,
             enforce_eager=args.enforce_eager,
             overlap_schedule=not args.no_overlap,
+            switches=dataclasses.replace(KernelSwitches.from_env(), triton_ops=ops == "on"),
         )
         engine = llm.engine
         device = engine.device

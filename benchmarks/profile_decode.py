@@ -4,24 +4,24 @@
     python benchmarks/profile_decode.py --gemv [--gemv-models ...] [--json FILE]
     python benchmarks/profile_decode.py --host [--models qwen3-0.6b]
 
-Default: for each model and each setting of the Triton decode kernels (models/triton_ops.py,
-`layers.TRITON_OPS`): a batch-1 request (128-token prompt, greedy) decodes from the captured
+Default: for each model and each setting of the Triton decode kernels (nanoserve/kernels,
+KernelSwitches.triton_ops): a batch-1 request (128-token prompt, greedy) decodes from the captured
 CUDA graph; torch.profiler (CUDA activities: CUPTI records the kernels inside graph replays)
 covers 20 engine steps, and the kernels are grouped by name (launches and µs per step), then
 by kind. Also printed: wall time per step (100 steps, no profiler) and one graph replay alone
 (50 replays timed with events).
 
---gemv: the small-M linear microbenchmark behind `triton_ops.linear_config`. For the decoder
+--gemv: the small-M linear microbenchmark behind `kernels.linear.linear_config`. For the decoder
 shapes of the chosen models and M = 1, 2, 4, 8 it times cuBLAS (F.linear) and a sweep of
 Triton configs, each inside a CUDA graph of back-to-back calls over weight copies that
 together exceed L2 several times (as decode streams every layer's weights from memory).
 Each config's output is checked against F.linear first.
 
 --pdl off on: repeat the default profile with programmatic dependent launch of the Triton
-decode kernels off and on (nanoserve.triton_pdl.PDL).
+decode kernels off and on (KernelSwitches.pdl).
 
 --min-split-tokens N [N ...]: repeat the default profile with the Triton attention's
-shortest decode split overridden (attention/triton_kernels.py MIN_SPLIT_TOKENS).
+shortest decode split overridden (kernels/attention.py MIN_SPLIT_TOKENS).
 
 --host: the older host-side view (cProfile over graph steps at batch 1 and 256, and the
 eager GPU kernels) on one model.
@@ -45,8 +45,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoserve import LLM, SamplingParams, triton_pdl
-from nanoserve.attention import triton_kernels as tk
+from nanoserve import LLM, SamplingParams
+from nanoserve.kernels import attention as tk
+from nanoserve.switches import KernelSwitches
 from nanoserve.models import layers
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -88,11 +89,12 @@ def device_us(evt) -> float:
 
 
 def profile_batch1(name: str, ops_on: bool, min_split: int | None = None, pdl: bool = True, steps: int = 20) -> dict:
-    layers.TRITON_OPS = ops_on
-    triton_pdl.PDL = pdl
     if min_split is not None:  # an experiment on the attention backend's decode split policy
         tk.MIN_SPLIT_TOKENS = min_split
-    llm = LLM(name, load_format="dummy", max_model_len=1024, kv_cache_tokens=16384, max_num_seqs=8)
+    switches = KernelSwitches(triton_ops=ops_on, pdl=pdl)
+    llm = LLM(
+        name, load_format="dummy", max_model_len=1024, kv_cache_tokens=16384, max_num_seqs=8, switches=switches
+    )
     engine = llm.engine
     engine.add_request("p", PROMPT, SamplingParams(temperature=0, max_tokens=700, ignore_eos=True))
     for _ in range(8):  # prefill, then decode steps from the graph
@@ -147,7 +149,7 @@ def profile_batch1(name: str, ops_on: bool, min_split: int | None = None, pdl: b
 
 
 def candidates(M: int, N: int, K: int) -> list:
-    from nanoserve.models.triton_ops import LinearConfig, linear_config
+    from nanoserve.kernels.linear import LinearConfig, linear_config
 
     out = []
     if M == 1:
@@ -213,7 +215,7 @@ def gemv_sweep(models: list[str], json_path: str | None) -> None:
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
-    from nanoserve.models import triton_ops
+    from nanoserve.kernels import linear as triton_ops
 
     dev = torch.device("cuda")
     results = []
@@ -325,7 +327,7 @@ def main() -> None:
     ap.add_argument("--ops", nargs="+", choices=["off", "on"], default=["off", "on"])
     ap.add_argument("--min-split-tokens", type=int, nargs="+", default=[None],
                     help="override the Triton attention's shortest decode split (an experiment)")  # fmt: skip
-    ap.add_argument("--pdl", nargs="+", choices=["off", "on"], default=["on"], help="nanoserve.triton_pdl.PDL settings")
+    ap.add_argument("--pdl", nargs="+", choices=["off", "on"], default=["on"], help="KernelSwitches.pdl settings")
     ap.add_argument("--gemv", action="store_true", help="run the small-M linear sweep instead")
     ap.add_argument("--gemv-models", nargs="+", default=list(SHAPES))
     ap.add_argument("--json", help="with --gemv: write every timing to this file")

@@ -4,8 +4,8 @@
 
 Two timings per decode batch M, each inside a CUDA graph of back-to-back calls (median of 20
 replays, `attention.graph_ms`), as the engine replays decode:
-- SiLU-and-mul alone on gate_up [M, 2I] bf16: `triton_ops.silu_and_mul` (under PDL, as the
-  engine launches it; NANOSERVE_PDL=0: without) vs the torch.compile'd `silu_and_mul_plain`
+- SiLU-and-mul alone on gate_up [M, 2I] bf16: `kernels.activation.silu_and_mul` (under PDL, as the
+  engine launches it) vs the torch.compile'd `silu_and_mul_reference`
   that the layers used before it (`layers._silu_and_mul_fused`). The input stays in L2, as the
   gate_up output the kernel reads in the engine has just been written;
 - qwen3's MLP (gate_up 2I x H, SiLU-and-mul, down H x I, H = 1024), rotating over weight
@@ -28,8 +28,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attention import graph_ms
 
-from nanoserve import triton_pdl
-from nanoserve.models import layers, triton_ops
+from nanoserve.kernels import activation, linear
+from nanoserve.kernels.activation import silu_and_mul_reference
+from nanoserve.models import layers
 
 DT = torch.bfloat16
 HIDDEN = 1024  # qwen3-0.6b
@@ -37,13 +38,13 @@ HIDDEN = 1024  # qwen3-0.6b
 
 def silu_alone(M: int, inter: int) -> None:
     gate_up = 3 * torch.randn(M, 2 * inter, device="cuda", dtype=DT)
-    fast = triton_ops.silu_and_mul(gate_up)
-    eager = layers.silu_and_mul_plain(gate_up)
+    fast = activation.silu_and_mul(gate_up)
+    eager = silu_and_mul_reference(gate_up)
     compiled = layers._silu_and_mul_fused(gate_up)
     differ = (fast != eager).float().mean().item()
     differ_compiled = (fast != compiled).float().mean().item()
     reps = 32
-    us_triton = graph_ms([lambda: triton_ops.silu_and_mul(gate_up)] * reps) * 1e3
+    us_triton = graph_ms([lambda: activation.silu_and_mul(gate_up)] * reps) * 1e3
     us_compiled = graph_ms([lambda: layers._silu_and_mul_fused(gate_up)] * reps) * 1e3
     moved = 3 * M * inter * 2  # bytes read (gate, up) and written
     print(
@@ -78,7 +79,7 @@ def mlp(M: int, inter: int) -> None:
     reps = max(1, math.ceil(16 / copies))
     us_engine = graph_ms([lambda w=w: engine(w) for w in weights] * reps) * 1e3
     us_old = graph_ms([lambda w=w: old(w) for w in weights] * reps) * 1e3
-    rule = triton_ops.linear_config(M, HIDDEN, inter, DT)
+    rule = linear.linear_config(M, HIDDEN, inter, DT)
     down = "cuBLAS" if rule is None else f"split{rule.split_k} m{rule.block_m} n{rule.block_n}"
     print(
         f"MLP M={M:<4} I={inter}: engine {us_engine:6.2f} us (down: {down}) | old {us_old:6.2f} us | "
@@ -92,7 +93,7 @@ def main() -> None:
     ap.add_argument("--ms", type=int, nargs="+", default=[16, 64, 128, 256])
     ap.add_argument("--inter", type=int, nargs="+", default=[3072])
     args = ap.parse_args()
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, PDL {triton_pdl.PDL}", flush=True)
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     for inter in args.inter:
         for M in args.ms:
             silu_alone(M, inter)

@@ -147,9 +147,10 @@ def _symm_mem_all_reduce(ctx, device, hidden: int, say) -> None:
     against each other."""
     from nanoserve.distributed import TPGroup
     from nanoserve.distributed.symm_all_reduce import setup_symm_all_reduce
-    from nanoserve.models.triton_ops import rms_norm
+    from nanoserve.kernels.norm import rms_norm
+    from nanoserve.switches import KernelSwitches
 
-    symm = setup_symm_all_reduce(ctx, single_host=True)
+    symm = setup_symm_all_reduce(ctx, single_host=True, switches=KernelSwitches.from_env())
     if symm is None:
         say("symmetric-memory all-reduce: not set up (see the log above)")
         return
