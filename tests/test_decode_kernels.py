@@ -55,6 +55,8 @@ def check_linear(M, N, K, dtype, device, config, bias: bool, tol: float, seed: i
     assert not torch.isnan(out).any(), f"unwritten element ({config})"
     err = rel_err(out, ref)
     assert err < tol, f"{config} M={M} N={N} K={K} {dtype}: relative error {err:.2e}"
+    err = rel_err(out, klinear.linear_reference(x, w, b))  # the torch reference beside the kernel
+    assert err < tol, f"{config} M={M} N={N} K={K} {dtype}: relative error {err:.2e} to linear_reference"
 
 
 def make_qk(tokens, num_q, num_k, head_dim, dtype, device, seed, max_pos=64):

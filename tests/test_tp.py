@@ -502,6 +502,7 @@ def test_all_reduce_rms_norm_kernel_interpreted(rank):
     signalled: the sum over ranks + residual and its RMSNorm match the plain torch ops (fp32,
     where the interpreter rounds as torch), rows beyond the programs are covered (6 rows, 4
     programs), it signals the peer with its call count, and the counts go on across calls."""
+    from nanoserve.kernels.all_reduce import all_reduce_rms_norm_reference
     from nanoserve.kernels.norm import add_rms_norm_reference
 
     gen = torch.Generator().manual_seed(rank)
@@ -518,6 +519,9 @@ def test_all_reduce_rms_norm_kernel_interpreted(rank):
         want_out, want_total = add_rms_norm_reference(parts[0] + parts[1], residual, weight, eps)
         torch.testing.assert_close(total, want_total, rtol=0, atol=0)
         torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
+        ref_out, ref_total = all_reduce_rms_norm_reference(parts, residual, weight, eps)
+        torch.testing.assert_close(total, ref_total, rtol=0, atol=0)
+        torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
         assert (epochs == call).all() and (flags[peer][:, rank] == call).all() and (flags[rank][:, rank] == call).all()
     # one row: only program 0 runs, the other programs' counts stay
     parts = [torch.randn(1, width, generator=gen) for _ in range(2)]

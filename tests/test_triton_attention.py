@@ -133,6 +133,17 @@ def check(case: Case, tol: float, backend=None) -> None:
     num_kv_heads, head_dim = case.k_cache.shape[2], case.k_cache.shape[3]
     flat = case.k_cache.view(-1, num_kv_heads, head_dim)
     assert torch.equal(flat[case.meta.slot_mapping], case.k.to(flat.dtype))
+    # and the kernels' own torch reference (kernels/attention.py), request by request
+    from nanoserve.kernels.attention import attention_reference, gather_kv
+
+    cu, meta = case.meta.cu_query_lens.tolist(), case.meta
+    for i, (seq, prefix) in enumerate(zip(meta.seq_lens_host, meta.prefix_lens_host)):
+        table = meta.page_table[i : i + 1]
+        keys, values = (gather_kv(c, table, seq)[0].to(case.q.dtype) for c in (case.k_cache, case.v_cache))
+        want = attention_reference(case.q[cu[i] : cu[i + 1]], keys, values, case.scale, causal_offset=prefix)
+        if cu[i + 1] > cu[i]:
+            err = rel_err(out[cu[i] : cu[i + 1]], want)
+            assert err < tol, f"request {i}: relative error {err:.2e} to attention_reference"
 
 
 def ragged(rng: random.Random, batch: int, lo: int, hi: int) -> list[int]:
