@@ -38,7 +38,9 @@ PROMPTS = make_prompts(32)
 
 
 def make_llm(**kw) -> LLM:
-    return LLM(MODEL, load_format="dummy", dtype="bfloat16", max_model_len=1024, kv_cache_tokens=131072, max_num_seqs=64, **kw)
+    return LLM(
+        MODEL, load_format="dummy", dtype="bfloat16", max_model_len=1024, kv_cache_tokens=131072, max_num_seqs=64, **kw
+    )
 
 
 def assert_idle(llm: LLM) -> None:
@@ -59,12 +61,16 @@ def run(llm: LLM, prompts, new=NEW):
     return tokens, top5
 
 
-# The dummy model's greedy outputs mostly repeat one token after their first, at wide
-# margins, so equal tokens alone would miss much of a wrong decode step. Runs must also agree
-# on the top-5 logprobs up to their first divergence: a bug moves logits by their spread
-# (~18 here). Measured on an H200 (RESULTS.md, twelfth round): the same kernels (graphs vs
-# eager, any padding) are bit-equal; across kernels (either cache) they differ by 3.0 at
-# most (bf16 steps of 0.5 at these logit sizes); an fp8 cache against the bf16 one by 4.0.
+# Equal tokens alone would miss a wrong decode step that keeps the argmax, so runs must also
+# agree on the top-5 logprobs up to their first divergence: a bug moves logits by their
+# spread (about 8 with today's dummy weights, tests/test_dummy_weights.py). The bounds below
+# were measured on an H200 on 2026-11-21 (RESULTS.md) with the earlier dummy weights, whose
+# greedy outputs repeated one token after their first at wide margins, logits near 85 (bf16
+# steps of 0.5): the same kernels (graphs vs eager, any padding) bit-equal; across kernels
+# (either cache) 3.0 at most; an fp8 cache against the bf16 one 4.0. Since 2026-11-25 the
+# outputs change at every step and the largest logits are near 35 (bf16 steps of 0.25), so
+# near ties come more often; `pytest -m gpu -s` prints, per comparison, the identical prompts
+# and the largest top-5 difference: re-measure the bounds from those before changing them.
 LOGPROB_TOL = 4.0
 SAME_KERNELS_TOL = 0.5
 FP8_VS_BF16_TOL = 8.0
@@ -72,13 +78,14 @@ FP8_VS_BF16_TOL = 8.0
 
 def compare(a, b, what: str, min_identical: float = 0.95, logprob_tol: float = LOGPROB_TOL) -> float:
     """Greedy runs a and b: at every divergence each token is in the other's top-5 (the
-    logprob gap is printed: logits are bf16, whose step is 0.5 at the dummy model's
-    logit sizes); at least `min_identical` of the prompts identical; up to the first
+    logprob gap is printed: logits are bf16, whose step is 0.25 at the dummy model's
+    largest logits); at least `min_identical` of the prompts identical; up to the first
     divergence, the logprobs of tokens in both top-5s within `logprob_tol`."""
     (ta, ka), (tb, kb) = a, b
-    same, worst = 0, 0.0
+    same, worst, compared = 0, 0.0, 0
     for i, (x, y) in enumerate(zip(ta, tb)):
         j = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
+        compared += j
         for pos in range(min(j + 1, len(x))):
             worst = max([worst] + [abs(ka[i][pos][t] - kb[i][pos][t]) for t in ka[i][pos].keys() & kb[i][pos].keys()])
         if j == len(x):
@@ -88,7 +95,10 @@ def compare(a, b, what: str, min_identical: float = 0.95, logprob_tol: float = L
         print(f"{what}: prompt {i} diverges at token {j} (first run's logprob gap between the two tokens {gap:.4f})")
         assert x[j] in kb[i][j] and y[j] in ka[i][j], f"{what}: prompt {i} diverges at {j}: {x[j]} vs {y[j]}"
     frac = same / len(ta)
-    print(f"{what}: {same}/{len(ta)} identical; top-5 logprobs differ by {worst:.3f} at most")
+    print(
+        f"{what}: {same}/{len(ta)} identical; {compared}/{sum(map(len, ta))} tokens before the first divergences; "
+        f"top-5 logprobs differ by {worst:.3f} at most"
+    )
     assert frac >= min_identical, f"{what}: only {same}/{len(ta)} prompts identical"
     assert worst <= logprob_tol, f"{what}: top-5 logprobs differ by {worst:.3f} before any divergence"
     return frac
@@ -131,8 +141,13 @@ def hf_reference(prompts):
             idx = [i for i, p in enumerate(prompts) if len(p) == length]
             ids = torch.tensor([prompts[i] for i in idx], device="cuda")
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
             logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1)
             values, indices = logprobs.topk(5, dim=-1)  # [b, NEW, 5]
@@ -148,13 +163,17 @@ def test_graphs_overlap_vs_eager_simple(results):
     compare(results["fast"], results["eager"], "graphs+overlap vs eager+simple", logprob_tol=SAME_KERNELS_TOL)
 
 
-# Across different kernels (FA2/Triton vs SDPA vs transformers) the dummy model's bf16
-# logits tie exactly or within one bf16 step at some positions, and greedy then follows
-# either token: on an H200, 26-30/32 (triton vs torch) and 26-27/32 (vs transformers)
-# identical, divergences at logprob gaps of 0 to 1.5 (0-3 bf16 steps). Two correct torch
-# attentions (SDPA; an explicit fp32 softmax) agree on 29-30/32 (117/128) only, and every
-# pair on 32/32 in fp32 (benchmarks/greedy_agreement.py), so the issue's 95% holds for graphs+overlap vs
-# eager (same kernels); across kernels this checks the near-tie property and 75%.
+# Across different kernels (FA2/Triton vs SDPA vs transformers) bf16 logits tie exactly or
+# within one bf16 step at some positions, and greedy then follows either token. With the
+# earlier dummy weights (see above), on an H200: 26-30/32 (triton vs torch) and 26-27/32
+# (vs transformers) identical, divergences at logprob gaps of 0 to 1.5 (0-3 bf16 steps). Two
+# correct torch attentions (SDPA; an explicit fp32 softmax) agreed on 29-30/32 (117/128) only,
+# and every pair on 32/32 in fp32 (benchmarks/greedy_agreement.py), so the issue's 95% holds
+# for graphs+overlap vs eager (same kernels); across kernels this checks the near-tie property
+# and 75%. Today's weights tie far more often: on CPU in bf16 (nanoserve's torch backend vs
+# transformers, 16 prompts x 32 tokens) 0/16 outputs are identical (first divergence at token
+# 1 to 25, median 4.5, logprob gaps 0.25 to 2.0) against 16/16 with the earlier weights, and
+# 2/16 with qwen3-0.6b cut to 8 layers: expect this bound to fail until re-measured on the GPU.
 CROSS_KERNEL_MIN = 0.75
 
 
