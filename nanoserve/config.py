@@ -43,6 +43,9 @@ class EngineConfig:
     kv_cache_tokens: int | None = None  # explicit KV capacity in tokens (default on CPU: 1 GiB)
     kv_cache_gib: float | None = None  # explicit KV capacity in GiB
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (float8 e4m3, unscaled)
+    # None: weights as the checkpoint stores them (FP8 checkpoints stay FP8 on CUDA); "fp8":
+    # linear weights quantized per output channel at load (nanoserve/models/quantization.py).
+    quantization: str | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -72,22 +75,45 @@ class EngineConfig:
         need(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", f"must be auto or one of {sorted(_DTYPES)}")
         object.__setattr__(self, "kv_cache_dtype", _KV_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype))
         need(self.kv_cache_dtype in ("auto", *_KV_DTYPES), "kv_cache_dtype", "must be auto or fp8")
+        need(self.quantization in (None, "fp8"), "quantization", "must be None or 'fp8'")
         need(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
-        need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device", "must be auto, cpu or cuda")
+        need(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "device",
+            "must be auto, cpu or cuda",
+        )
         need(self.page_size >= 1, "page_size", "must be >= 1")
         need(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         need(0 < self.memory_fraction <= 1, "memory_fraction", "must be in (0, 1]")
-        need(self.kv_cache_tokens is None or self.kv_cache_tokens >= 2 * self.page_size, "kv_cache_tokens", "must hold at least 2 pages")
+        need(
+            self.kv_cache_tokens is None or self.kv_cache_tokens >= 2 * self.page_size,
+            "kv_cache_tokens",
+            "must hold at least 2 pages",
+        )
         need(self.kv_cache_gib is None or self.kv_cache_gib > 0, "kv_cache_gib", "must be > 0")
-        need(self.attention_backend in ("auto", "torch", "triton"), "attention_backend", "must be auto, torch or triton")
+        need(
+            self.attention_backend in ("auto", "torch", "triton"), "attention_backend", "must be auto, torch or triton"
+        )
         need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "must be >= 0")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
-        need(self.nnodes >= 1 and self.tensor_parallel_size % self.nnodes == 0, "nnodes", "must be >= 1 and divide tensor_parallel_size")
+        need(
+            self.nnodes >= 1 and self.tensor_parallel_size % self.nnodes == 0,
+            "nnodes",
+            "must be >= 1 and divide tensor_parallel_size",
+        )
         need(0 <= self.node_rank < self.nnodes, "node_rank", "must be in [0, nnodes)")
-        need(self.nnodes == 1 or self.dist_init_addr is not None, "dist_init_addr", "is needed with nnodes > 1 (host:port of node 0)")
-        need(self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(), "dist_init_addr", "must be host:port")
+        need(
+            self.nnodes == 1 or self.dist_init_addr is not None,
+            "dist_init_addr",
+            "is needed with nnodes > 1 (host:port of node 0)",
+        )
+        need(
+            self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(),
+            "dist_init_addr",
+            "must be host:port",
+        )
         need(self.dist_timeout_s > 0, "dist_timeout_s", "must be > 0")
 
     @staticmethod
@@ -134,6 +160,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"], help="fp8: float8 e4m3 KV cache"
     )
+    g.add_argument(
+        "--quantization", default=None, choices=["fp8"], help="fp8: quantize linear weights per channel at load"
+    )
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -164,6 +193,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_gib=args.kv_cache_gib,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        quantization=getattr(args, "quantization", None),
         attention_backend=args.attention_backend,
         enable_prefix_caching=not args.no_prefix_cache,
         enforce_eager=args.enforce_eager,

@@ -75,6 +75,7 @@ class LLMEngine:
             max_positions=wanted_len,
             tp=tp,
             switches=config.switches,
+            quantization=config.quantization,
         )
         self.kv_dtype = config.torch_kv_dtype(self.dtype)
         plan = agree_kv_plan(

@@ -37,6 +37,8 @@ import triton.language as tl
 from nanoserve.kernels.launch import INTERPRET, launch_options, pdl_start
 from nanoserve.kernels.ll_words import _ll_push_row
 
+FP8_WEIGHT = torch.float8_e4m3fn
+
 # Triton's interpreter computes bf16 tl.dot wrongly (see attention.py): under the interpreter
 # the dot kernel upcasts its operands to fp32. Compiled kernels never do.
 DOT_F32 = INTERPRET
@@ -75,10 +77,10 @@ def _tile_ranges(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
 
 @triton.jit
 def _linear_fma_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
-    M, N, K, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, b_ptr, y_ptr, s_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
     push_addrs, epoch_ptr, rank,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, LINE: tl.constexpr, PUSH_WORLD: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """PUSH_WORLD > 0 (one row, 2-byte y): each program also stores its outputs into every
@@ -109,6 +111,9 @@ def _linear_fma_kernel(
             k_mask = (k0 + rk) < K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+        if W_SCALE == 2:  # FP8 with 128x128 block scales: each weight times its block's scale
+            kb = tl.minimum(k0 + rk, K - 1) // 128
+            w *= tl.load(s_ptr + (rn_in // 128)[:, None] * stride_sn + kb[None, :])
         if BLOCK_M == 1:
             acc += w * x
         else:
@@ -119,6 +124,8 @@ def _linear_fma_kernel(
         y = tl.sum(acc, axis=1)[None, :]
     else:
         y = tl.sum(acc, axis=2)
+    if W_SCALE == 1:  # FP8 with per-channel scales: once per output
+        y *= tl.load(s_ptr + rn_in)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + rn_in).to(tl.float32)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -137,9 +144,9 @@ def _prefetch_l2(ptrs):
 
 @triton.jit
 def _linear_dot_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
-    M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, y_ptr, s_ptr,
+    M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, stride_sn,
+    W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (n, m, s): output tile (m, n) over K[s * K_SPLIT, (s + 1) * K_SPLIT) (K_SPLIT a
@@ -163,14 +170,25 @@ def _linear_dot_kernel(
             k_mask = (k0 + rk) < K
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-        if UPCAST:
+        if W_SCALE == 2:
+            # FP8 with 128x128 block scales (BLOCK_K == 128, splits 128-aligned): this K tile
+            # is one scale block, so its product is scaled once per output column.
+            if UPCAST:
+                part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(x, w.to(x.dtype))
+            kb = tl.minimum(k0 + tl.min(rk, axis=0), K - 1) // 128
+            acc += part * tl.load(s_ptr + (rn_in // 128) * stride_sn + kb)[None, :]
+        elif UPCAST:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         elif x.dtype == tl.float32:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
+            acc = tl.dot(x, w.to(tl.float32), acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, w, acc)
+            acc = tl.dot(x, w.to(x.dtype), acc)  # FP8 weights: e4m3 -> bf16/fp16 is exact
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if W_SCALE == 1:  # FP8 with per-channel scales: once per output (per partial under split-K)
+        acc *= tl.load(s_ptr + rn_in)[None, :]
     mask = m_mask[:, None] & (rn[None, :] < N)
     if SPLIT_K > 1:
         plane = y_ptr + tl.program_id(2).to(tl.int64) * M * N
@@ -220,8 +238,13 @@ def small_m_linear(
     partials_only: bool = False,
     push: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     pdl: bool = True,
+    w_scale: torch.Tensor | None = None,
+    block_scale: bool = False,
 ) -> torch.Tensor:
-    """y = x W^T (+ b) for x [M, K] (dense last dim), weight [N, K] (dense rows). `out` is an
+    """y = x W^T (+ b) for x [M, K] (dense last dim), weight [N, K] (dense rows). An FP8
+    weight comes with `w_scale`: per-channel fp32 [N], or with `block_scale` the 128x128
+    block scales fp32 [ceil(N/128), ceil(K/128)] (dense rows; a "dot" config then needs
+    block_k 128 and 128-aligned splits: `block_fp8_config` and the rule's split configs are). `out` is an
     optional [M, N] result buffer with dense rows, in x's dtype or fp32 (then the fp32
     accumulator is stored unrounded); without it the result is a new [M, N] in x's dtype.
     A split-K config (`config.split_k` > 1) also allocates its fp32 workspace
@@ -235,7 +258,7 @@ def small_m_linear(
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     if push is not None and not can_push(config, x.shape[0], out.dtype):
         raise ValueError("only the one-row fma kernel with 2-byte outputs pushes to the peers")
-    launches = _linear_launches(x, weight, bias, config, out, push, pdl)
+    launches = _linear_launches(x, weight, bias, config, out, push, pdl, w_scale, block_scale)
     if partials_only:
         launches = launches[:1]
     for kernel, grid, args, options in launches:
@@ -274,6 +297,8 @@ def _linear_launches(
     out: torch.Tensor,
     push: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     pdl: bool = True,
+    w_scale: torch.Tensor | None = None,
+    block_scale: bool = False,
 ) -> list[tuple]:
     """(kernel, grid, args, options) of each launch of the product, in launch order."""
     M, K = x.shape
@@ -283,6 +308,13 @@ def _linear_launches(
     c = config
     if c.split_k < 1 or (c.split_k > 1 and c.kernel != "dot"):
         raise ValueError(f"split_k={c.split_k}: only the dot kernel splits K (split_k >= 1)")
+    if (w_scale is not None) != (weight.dtype == FP8_WEIGHT):
+        raise ValueError("an FP8 weight needs its w_scale, and only an FP8 weight takes one")
+    if block_scale and c.kernel == "dot" and c.block_k != 128:  # then every split starts on a block
+        raise ValueError("block-scaled FP8 through the dot kernel needs block_k 128")
+    w_mode = 0 if w_scale is None else 2 if block_scale else 1
+    s = w_scale if w_scale is not None else weight
+    stride_s = s.stride(0) if block_scale else 0
     launch = launch_options(x.device, pdl)
     b = bias if bias is not None else weight
     common = {
@@ -297,20 +329,42 @@ def _linear_launches(
     if c.kernel == "fma":
         line = min(c.block_k, 128 // weight.element_size())  # elements per 128-byte line
         dst, epochs, rank = push if push is not None else (weight, weight, 0)  # unused without a push
-        args = (x, weight, b, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0), dst, epochs, rank)
+        args = (
+            x,
+            weight,
+            b,
+            out,
+            s,
+            M,
+            N,
+            K,
+            x.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            stride_s,
+            dst,
+            epochs,
+            rank,
+        )
         world = 0 if push is None else dst.numel()
-        options = {"HAS_BIAS": bias is not None, "EVEN_K": K % c.block_k == 0, "LINE": line, "PUSH_WORLD": world}
+        options = {
+            "W_SCALE": w_mode,
+            "HAS_BIAS": bias is not None,
+            "EVEN_K": K % c.block_k == 0,
+            "LINE": line,
+            "PUSH_WORLD": world,
+        }
         options.update(common)
         return [(_linear_fma_kernel, grid[:2], args, options)]
     # Each split covers a whole number of K blocks; EVEN_K: every split's blocks lie within K.
     k_split = triton.cdiv(triton.cdiv(K, c.split_k), c.block_k) * c.block_k
     even_k = K % (c.block_k * c.split_k) == 0
-    dot = {"SPLIT_K": c.split_k, "EVEN_K": even_k, "UPCAST": DOT_F32, **common}
+    dot = {"W_SCALE": w_mode, "SPLIT_K": c.split_k, "EVEN_K": even_k, "UPCAST": DOT_F32, **common}
     if c.split_k == 1:
-        args = (x, weight, b, out, M, N, K, k_split, x.stride(0), weight.stride(0), out.stride(0))
+        args = (x, weight, b, out, s, M, N, K, k_split, x.stride(0), weight.stride(0), out.stride(0), stride_s)
         return [(_linear_dot_kernel, grid, args, {"HAS_BIAS": bias is not None, **dot})]
     ws = torch.empty(c.split_k, M, N, dtype=torch.float32, device=x.device)
-    args = (x, weight, b, ws, M, N, K, k_split, x.stride(0), weight.stride(0), N)
+    args = (x, weight, b, ws, s, M, N, K, k_split, x.stride(0), weight.stride(0), N, stride_s)
     block = min(SUM_BLOCK, triton.next_power_of_2(N))
     sum_args = (ws, b, out, M, N, out.stride(0))
     sum_options = {"HAS_BIAS": bias is not None, "SPLIT_K": c.split_k, "BLOCK": block, "num_warps": 4, **launch}
@@ -350,6 +404,10 @@ def _linear_launches(
 # Llama-3.1-8b's shapes were not swept at M > 8: no rule above matches them, so cuBLAS.
 # Split-K configs are only returned where each split is a whole number of K blocks
 # (K % (split_k * block_k) == 0): no masked tail, every split the same length.
+# FP8 weights (`small_m_linear(w_scale=...)`) take the same rule as bf16 for now: the same
+# kernels stream half the bytes, so where they beat cuBLAS in bf16 they should beat cuBLAS's
+# FP8 path too (to be measured: benchmarks/gemm_decode.py). Block-scaled FP8 has no cuBLAS
+# path: `block_fp8_config` gives its Triton tiles at every M the rule leaves to cuBLAS.
 MAX_M = 256
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 _rule_cache: dict[tuple[int, int, int, torch.dtype], LinearConfig | None] = {}
@@ -400,3 +458,11 @@ def _choose_few_rows(M: int, N: int, K: int) -> LinearConfig | None:
     if N >= 65536:
         return LinearConfig("dot", 16, 64, 128, num_warps=4, num_stages=3)
     return None
+
+
+def block_fp8_config(M: int, N: int, K: int) -> LinearConfig:
+    """The dot kernel's tiles for a block-scaled FP8 product the rule leaves to cuBLAS (not
+    tuned: 64 x 128 tiles over 128-wide K blocks, one scale block per K step)."""
+    if M <= 64:
+        return LinearConfig("dot", 16 if M <= 16 else 64, 128, 128, num_warps=4, num_stages=4)
+    return LinearConfig("dot", 128, 128, 128, num_warps=8, num_stages=3)

@@ -21,6 +21,12 @@ Sharding invariants (rank r of a group of size N):
   logit slices.
 Each parameter carries a `weight_loader(param, full_tensor, shard_id)` that cuts the
 rank's slice out of a full checkpoint tensor.
+
+FP8 weights (`use_fp8`, nanoserve/models/quantization.py): a linear then holds its weight in
+float8 e4m3 with fp32 scales sharded with it: per-channel scales `weight_scale` [rows] cut
+like the weight's rows (column-parallel) or kept whole (row-parallel); block scales
+`weight_scale_inv` [rows/128, K/128] cut by 128-row blocks (column-parallel) or by 128-column
+blocks along K (row-parallel), so every shard must be a whole number of 128-blocks.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ from torch import nn
 from nanoserve.attention.base import KVSink
 from nanoserve.distributed import SINGLE, TPGroup
 from nanoserve.kernels import activation, norm, rotary
+from nanoserve.kernels import fp8 as fp8_kernels
 from nanoserve.kernels import linear as linear_kernels
 from nanoserve.kernels.activation import silu_and_mul_reference
+from nanoserve.kernels.fp8 import FP8_BLOCK, FP8_DTYPE
 from nanoserve.kernels.norm import add_rms_norm_reference, rms_norm_reference
 from nanoserve.kernels.rotary import rope_reference
 from nanoserve.switches import KernelSwitches
@@ -135,6 +143,56 @@ def _small_m_config(x: torch.Tensor, weight: torch.Tensor, switches: KernelSwitc
         k = x.shape[-1]
         return linear_kernels.linear_config(x.numel() // k if k else 0, weight.shape[0], k, x.dtype)
     return None
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """An FP8 linear's scales: per-channel fp32 [N] (`block` False) or 128x128 block scales
+    [ceil(N/128), ceil(K/128)] (`block` True); `input_scale` fp32 [1] where the checkpoint
+    gives static activation scales (else activations are quantized per token at run time)."""
+
+    scale: torch.Tensor
+    block: bool
+    input_scale: torch.Tensor | None = None
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    fp8: Fp8Weight,
+    bias: torch.Tensor | None = None,
+    fp32_out: bool = False,
+    out: torch.Tensor | None = None,
+    switches: KernelSwitches = DEFAULT_SWITCHES,
+) -> torch.Tensor:
+    """x W^T (+ b) for an FP8 weight W with its scales, as `linear` does for dense weights.
+    On CUDA: decode-sized products (where `linear_config` takes the shape) and every
+    block-scaled one run the Triton kernels of kernels/linear.py reading FP8 weights (fp32
+    accumulation, scales applied in fp32); larger per-channel products run cuBLASLt's FP8 GEMM
+    (`kernels.fp8.scaled_mm`) on activations quantized per token (or with the static input
+    scale). Elsewhere, and with `triton_ops` off, the slow twin: W dequantized to x's dtype."""
+    k, n = x.shape[-1], weight.shape[0]
+    rows = x.numel() // k if k else 0
+    dtype = torch.float32 if fp32_out else x.dtype
+    fast = switches.triton_ops and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
+    if not fast:
+        y = F.linear(x, fp8_kernels.dequantize_weight(weight, fp8.scale, fp8.block, x.dtype), bias)
+        return y.to(dtype) if out is None else out.copy_(y.reshape(rows, n)).view(*x.shape[:-1], n)
+    x2 = x.reshape(rows, k)
+    config = linear_kernels.linear_config(rows, n, k, x.dtype)
+    if config is None and fp8.block:
+        config = linear_kernels.block_fp8_config(rows, n, k)
+    if config is not None:
+        if out is None:
+            out = torch.empty(rows, n, dtype=dtype, device=x.device)
+        linear_kernels.small_m_linear(
+            x2, weight, bias, config, out=out, w_scale=fp8.scale, block_scale=fp8.block, pdl=switches.pdl
+        )
+        return out.view(*x.shape[:-1], n)
+    y = fp8_kernels.scaled_mm(x2, weight, fp8.scale, fp8.input_scale, bias, pdl=switches.pdl)
+    if out is not None:
+        return out.copy_(y).view(*x.shape[:-1], n)
+    return y.to(dtype).view(*x.shape[:-1], n)
 
 
 # A single-GPU row-parallel product that runs split-K leaves its fp32 partials unsummed and
@@ -278,9 +336,7 @@ class RotaryEmbedding(_SwitchedLayer):
             weights = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
             fuse = kv_sink is not None and switches.kv_store_in_rope
             store = (v, kv_sink.k_cache, kv_sink.v_cache, kv_sink.slot_mapping) if fuse else None
-            q, k = rotary.qk_norm_rope(
-                positions, q, k, self.cos, self.sin, *weights, kv_store=store, pdl=switches.pdl
-            )
+            q, k = rotary.qk_norm_rope(positions, q, k, self.cos, self.sin, *weights, kv_store=store, pdl=switches.pdl)
             if kv_sink is not None and not fuse:
                 kv_sink.store(k, v)
             return q, k
@@ -336,7 +392,45 @@ class ColumnParallelLinear(_SwitchedLayer):
             start += part.size
         raise KeyError(f"no part {shard_id!r} in this linear")
 
+    fp8: Fp8Weight | None = None
+
+    def use_fp8(self, block: bool, static_input: bool) -> None:
+        """Hold the weight in FP8 with its scales (before loading): see the module docstring."""
+        rows, cols = self.weight.shape
+        if block:
+            bad = [p.name for p in self.parts if p.offset % FP8_BLOCK or p.size % FP8_BLOCK]
+            if bad:
+                raise ValueError(f"block-wise FP8 needs 128-row shards; parts {bad} of this linear are not")
+            scale = nn.Parameter(torch.empty(rows // FP8_BLOCK, -(-cols // FP8_BLOCK), dtype=torch.float32), False)
+            scale.weight_loader = self._load_blocks
+        else:
+            scale = nn.Parameter(torch.empty(rows, dtype=torch.float32), requires_grad=False)
+            scale.weight_loader = self._load
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8_DTYPE), requires_grad=False)
+        self.weight.weight_loader = self._load
+        self.register_parameter("weight_scale_inv" if block else "weight_scale", scale)
+        input_scale = None
+        if static_input:
+            # Merged parts share one input: it is quantized with the largest of their scales.
+            input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
+            input_scale.weight_loader = lambda p, full, shard_id: torch.maximum(p.data, full.reshape(1), out=p.data)
+            self.input_scale = input_scale
+        self.fp8 = Fp8Weight(scale, block, input_scale)
+
+    def _load_blocks(self, param: nn.Parameter, full: torch.Tensor, shard_id: str | None) -> None:
+        start = 0
+        for part in self.parts:
+            size = part.size // FP8_BLOCK
+            if part.name == shard_id:
+                first = part.offset // FP8_BLOCK
+                param.data[start : start + size].copy_(full[first : first + size])
+                return
+            start += size
+        raise KeyError(f"no part {shard_id!r} in this linear")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, self.fp8, self.bias, switches=self.switches)
         return linear(x, self.weight, self.bias, switches=self.switches)
 
 
@@ -362,6 +456,30 @@ class RowParallelLinear(_SwitchedLayer):
         cols = param.shape[1]
         param.data.copy_(full[:, self.tp.rank * cols : (self.tp.rank + 1) * cols])
 
+    fp8: Fp8Weight | None = None
+
+    def use_fp8(self, block: bool, static_input: bool) -> None:
+        """Hold the weight in FP8 with its scales (before loading): see the module docstring."""
+        rows, cols = self.weight.shape
+        whole = lambda p, full, shard_id: p.data.copy_(full.reshape(p.shape))
+        if block:
+            if cols % FP8_BLOCK:
+                raise ValueError(f"block-wise FP8 needs 128-column shards; this row-parallel shard has {cols}")
+            scale = nn.Parameter(torch.empty(-(-rows // FP8_BLOCK), cols // FP8_BLOCK, dtype=torch.float32), False)
+            scale.weight_loader = self._load_weight  # K blocks cut as the weight's columns
+        else:
+            scale = nn.Parameter(torch.empty(rows, dtype=torch.float32), requires_grad=False)
+            scale.weight_loader = whole  # one scale per output row: every rank holds them all
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8_DTYPE), requires_grad=False)
+        self.weight.weight_loader = self._load_weight
+        self.register_parameter("weight_scale_inv" if block else "weight_scale", scale)
+        input_scale = None
+        if static_input:
+            input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
+            input_scale.weight_loader = whole
+            self.input_scale = input_scale
+        self.fp8 = Fp8Weight(scale, block, input_scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """This rank's partial sums x_r W_r^T, rank 0's plus the bias: the layer's output once
         summed over the group, which the RMSNorm after it does (`reduce_over`), fused with
@@ -369,10 +487,18 @@ class RowParallelLinear(_SwitchedLayer):
         the product runs split-K (`split_sum_in_norm`, no bias), its unsummed SplitKPartials:
         the RMSNorm after it is this layer's only consumer."""
         switches = self.switches
+        if self.fp8 is not None:
+            rows, n = x.numel() // x.shape[-1], self.weight.shape[0]
+            fp32 = self.tp.size > 1 and switches.tp_reduce_fp32
+            out = self.tp.partial_out(rows, n, torch.float32 if fp32 else x.dtype, self.reduce_slot)
+            bias = self.bias if self.tp.rank == 0 else None
+            return fp8_linear(x, self.weight, self.fp8, bias, fp32_out=fp32, out=out, switches=switches)
         if self.tp.size == 1 and self.bias is None and switches.split_sum_in_norm and x.dim() == 2:
             config = _small_m_config(x, self.weight, switches)
             if config is not None and config.split_k > 1:
-                planes = linear_kernels.small_m_linear(x, self.weight, None, config, partials_only=True, pdl=switches.pdl)
+                planes = linear_kernels.small_m_linear(
+                    x, self.weight, None, config, partials_only=True, pdl=switches.pdl
+                )
                 return SplitKPartials(planes)
         # TP=1 rounds each output once, at the end of its full-width matmul; with
         # `tp_reduce_fp32` the partials stay fp32 through the sum and are rounded once after

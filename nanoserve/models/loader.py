@@ -5,6 +5,9 @@ Owns: the three checkpoint readers (each yields Hugging Face-named full tensors)
 layers cut out their tensor-parallel slices.
 Invariant: after loading, every parameter was written exactly once (tied weights count
 once); a missing or unexpected tensor is an error, never silently left random.
+FP8 (nanoserve/models/quantization.py): a checkpoint's quantization_config is accepted or
+refused before the model is built; on CUDA the linears hold FP8 weights and their scales, on
+CPU (or with keep_fp8=False) the weights are dequantized to the compute dtype at load.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import torch
 from tqdm import tqdm
 
 from nanoserve.distributed import SINGLE, TPGroup
+from nanoserve.models import quantization as quant
 from nanoserve.models.decoder import DecoderLM
+from nanoserve.models.layers import ColumnParallelLinear, RowParallelLinear
 from nanoserve.models.model_config import ModelConfig
 from nanoserve.models.registry import ModelSource, gguf_metadata
 from nanoserve.switches import KernelSwitches
@@ -198,13 +203,30 @@ def build_model(
     max_positions: int,
     tp: TPGroup = SINGLE,
     switches: KernelSwitches | None = None,
+    quantization: str | None = None,
+    keep_fp8: bool | None = None,
 ) -> DecoderLM:
+    """The model with its weights. `quantization` "fp8": linear weights quantized per
+    channel at load. `keep_fp8` (default: on CUDA) holds FP8 weights in the linears; off,
+    FP8 weights are dequantized to `dtype` at load (the CPU path and slow twin)."""
     cfg = source.config
+    # Refused here, before anything is built or read: nothing is ever half-loaded.
+    scheme = quant.parse_quantization_config(cfg.hf_config)
+    online = quant.online_scheme(quantization)
+    if scheme is not None and online is not None:
+        raise quant.UnsupportedQuantization(
+            f"the checkpoint is already quantized (quant_method {scheme.source!r}): leave out --quantization"
+        )
+    if scheme is not None and load_format == "dummy":
+        scheme, online = None, quant.Fp8Scheme("online")  # random weights: quantized at load per channel
+    keep = device.type == "cuda" if keep_fp8 is None else keep_fp8
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = DecoderLM(cfg, max_positions=max_positions, tp=tp, switches=switches)
+            if keep and (scheme or online) is not None:
+                _use_fp8(model, scheme or online)
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":
@@ -215,6 +237,28 @@ def build_model(
         checkpoint = gguf_checkpoint(source.path, cfg)
     else:
         raise ValueError(f"model {cfg.name!r} is a bundled config without weights: use load_format='dummy'")
+    if scheme is not None:
+        checkpoint = quant.fp8_tensors(checkpoint, scheme) if keep else quant.dequantized(checkpoint, scheme, dtype)
+    elif online is not None:
+        checkpoint = quant.quantized_online(checkpoint, device, keep, dtype)
     with torch.no_grad():
         load_weights(model, checkpoint)
     return model.eval()
+
+
+_MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _use_fp8(model: DecoderLM, scheme: quant.Fp8Scheme) -> None:
+    """Turn every linear the scheme quantizes into an FP8 one (before loading)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        prefix, _, leaf = f"model.{name}".rpartition(".")
+        hf_names = [f"{prefix}.{part}" for part in _MERGED.get(leaf, (leaf,))]
+        ignored = [scheme.is_ignored(n) for n in hf_names]
+        if all(ignored):
+            continue
+        if any(ignored):
+            raise quant.UnsupportedQuantization(f"{hf_names}: merged projections of which only some are quantized")
+        module.use_fp8(scheme.block is not None, scheme.static_activations)
