@@ -1,8 +1,10 @@
 """Batch-1 latency: time to first token (TTFT) and time per output token (TPOT) for a
 128-token prompt and 256 output tokens (greedy, ignore_eos), on dummy weights, against the
-weights-bandwidth floor (weight bytes / device-to-device copy bandwidth of this run).
+weights-bandwidth floor (weight bytes / device-to-device copy bandwidth of this run). Weight
+bytes are the parameters as stored: with --quantization fp8 the linears count one byte per
+weight plus their fp32 scales (embedding and LM head stay bf16).
 
-    python benchmarks/latency.py [--models qwen3-0.6b llama-3.1-8b] [--repeats 3] [--triton-ops off on]
+    python benchmarks/latency.py [--models qwen3-0.6b llama-3.1-8b] [--repeats 3] [--triton-ops off on] [--quantization fp8]
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="fp8 weights (the floor counts their bytes)")
     ap.add_argument("--triton-ops", choices=["on", "off"], nargs="+", default=["on"],
                     help="the Triton decode kernels (nanoserve/kernels); 'off on' measures both")  # fmt: skip
     args = ap.parse_args()
@@ -81,6 +84,7 @@ def main() -> None:
             max_num_seqs=8,
             enforce_eager=args.enforce_eager,
             overlap_schedule=not args.no_overlap,
+            quantization=args.quantization,
             switches=dataclasses.replace(KernelSwitches.from_env(), triton_ops=ops == "on"),
         )
         engine = llm.engine
@@ -97,7 +101,8 @@ def main() -> None:
         stats = llm.stats()
         leak_free = stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
         print(
-            f"{device_name(device)} | {name} (dummy, {str(engine.dtype).removeprefix('torch.')}), graphs "
+            f"{device_name(device)} | {name} (dummy, {str(engine.dtype).removeprefix('torch.')}, weights "
+            f"{args.quantization or 'unquantized'}), graphs "
             f"{'off' if engine.runner.graphs is None else 'on'}, overlap {'on' if engine.overlap else 'off'}, "
             f"Triton decode kernels {ops} | "
             f"TTFT {ttft * 1e3:.2f} ms | TPOT {tpot * 1e3:.3f} ms (graph replay alone {graph_ms:.3f} ms) | weights {wbytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s "

@@ -8,7 +8,8 @@ Floor: every decode step streams the weights once and every sequence's KV once, 
 device-to-device copy bandwidth measured in this run (bytes read + written):
     floor = (weight bytes x decode steps + KV bytes read) / copy bandwidth
 with decode steps = the longest max_tokens, KV bytes read = sum over sequences and their
-decode steps of the context length x KV bytes per token.
+decode steps of the context length x KV bytes per token. Weight bytes are the parameters as
+stored (--quantization fp8: one byte per linear weight plus fp32 scales).
 
     python benchmarks/offline_throughput.py [--model qwen3-0.6b] [--peer hf]
 """
@@ -199,6 +200,7 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--peer", choices=["hf"], default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", help="fp8: float8 KV cache (the floor then counts its bytes)")
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="fp8 weights (the floor counts their bytes)")
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="prefill token budget per step")
     ap.add_argument("--num-seqs", type=int, default=NUM_SEQS, help="fewer for a smoke run (no total check)")
     ap.add_argument(
@@ -221,6 +223,7 @@ def main() -> None:
         enforce_eager=args.enforce_eager,
         overlap_schedule=not args.no_overlap,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         **({"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {}),
     )
     engine = llm.engine
@@ -262,7 +265,7 @@ def main() -> None:
     graphs = engine.runner.graphs
     print(f"device: {device_name(device)}")
     print(
-        f"model {args.model} (dummy, {str(engine.dtype).removeprefix('torch.')}, KV cache "
+        f"model {args.model} (dummy, {str(engine.dtype).removeprefix('torch.')}, weights {args.quantization or 'unquantized'}, KV cache "
         f"{str(engine.kv_dtype).removeprefix('torch.')}), {len(prompts)} seqs, "
         f"{total_prompt} prompt + {total_out} output tokens, max_model_len {args.max_model_len}, "
         f"graphs {'off' if graphs is None else f'1..{graphs.max_bs} ({graphs.capture_seconds:.1f} s, {graphs.memory_bytes / 2**30:.2f} GiB)'}, "

@@ -92,7 +92,29 @@ def rowwise_scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm")):
         return False
     n, k = weight.shape
-    return torch.cuda.get_device_capability(x.device) >= (8, 9) and k % 16 == 0 and n % 16 == 0
+    if torch.cuda.get_device_capability(x.device) < (8, 9) or k % 16 or n % 16:
+        return False
+    return _rowwise_probe(x.device)
+
+
+_probed: dict[torch.device, bool] = {}
+
+
+def _rowwise_probe(device: torch.device) -> bool:
+    """Whether this torch build runs row-wise FP8 GEMMs here (a build without the CUTLASS
+    row-wise kernel raises): tried once per device outside graph capture; under capture
+    before any probe, assumed yes (the engine runs eagerly before it captures)."""
+    if device not in _probed:
+        if torch.cuda.is_current_stream_capturing():
+            return True
+        a = torch.ones(16, 16, device=device).to(FP8_DTYPE)
+        one = torch.ones(16, 1, device=device)
+        try:
+            torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one.t(), out_dtype=torch.bfloat16)
+            _probed[device] = True
+        except RuntimeError:
+            _probed[device] = False
+    return _probed[device]
 
 
 def scaled_mm(
