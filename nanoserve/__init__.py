@@ -8,7 +8,7 @@ Offline use::
 """
 
 from nanoserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputs
 
 
 def __getattr__(name):
@@ -20,4 +20,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "TokenLogprobs"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputs", "TokenLogprobs"]

@@ -70,6 +70,8 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         for _, ids in encoded:  # reject a bad prompt before anything is queued
             self.engine.validate_prompt(ids)
+        for spec in {p.structured_outputs.key(): p.structured_outputs for p in params if p.structured_outputs}.values():
+            self.engine.grammar_service().compile(spec)  # a bad schema raises GrammarError (a ValueError) here
         return self._run(encoded, params, use_tqdm)
 
     def chat(

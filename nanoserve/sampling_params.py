@@ -1,12 +1,76 @@
 """Per-request sampling and stopping parameters, validated at construction.
 
 Every field is checked in `__post_init__`; a bad value raises ValueError naming the field,
-so nothing invalid ever reaches the engine loop.
+so nothing invalid ever reaches the engine loop. `StructuredOutputs` (the grammar a request's
+output must follow) is checked for its shape here; whether its schema, regex or grammar
+compiles is nanoserve.structured's job.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrain the output: exactly one of
+    json: a JSON Schema (dict or its JSON text) the output must be an instance of;
+    regex: a regular expression the whole output must match;
+    choice: the output is exactly one of these strings;
+    grammar: an EBNF grammar (xgrammar's GBNF dialect, start rule `root`);
+    json_object: True for any JSON object."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(
+                f"StructuredOutputs needs exactly one of {', '.join(STRUCTURED_KINDS)}, got {set_kinds or 'none'}"
+            )
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as exc:
+                    raise ValueError(f"StructuredOutputs.json is not valid JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"StructuredOutputs.json must be a JSON Schema object, got {type(schema).__name__}")
+        if self.regex is not None and not (isinstance(self.regex, str) and self.regex):
+            raise ValueError("StructuredOutputs.regex must be a non-empty string")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):
+            raise ValueError("StructuredOutputs.grammar must be a non-empty EBNF string")
+        if self.choice is not None:
+            ok = isinstance(self.choice, (list, tuple)) and self.choice and all(isinstance(c, str) for c in self.choice)
+            if not ok:
+                raise ValueError("StructuredOutputs.choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.json_object, bool):
+            raise ValueError("StructuredOutputs.json_object must be a bool")  # noqa: TRY004 - ValueError names the field everywhere
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical spec text): equal constraints get equal keys (the compile cache's)."""
+        kind = self.kind
+        if kind == "json":
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            return kind, json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return kind, json.dumps(list(self.choice))
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
 
 
 @dataclass
@@ -27,6 +91,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top log-probabilities per output position
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -46,7 +111,9 @@ class SamplingParams:
         need(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 (off) or >= 1")
         need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         need(self.seed is None or is_int(self.seed), "seed", "must be an integer or None")
-        need(is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        need(
+            is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"
+        )
         need(
             is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
             "frequency_penalty",
@@ -57,7 +124,9 @@ class SamplingParams:
             "repetition_penalty",
             "must be in (0, 2]",
         )
-        need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", "must be >= 1")
+        need(
+            self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", "must be >= 1"
+        )
         need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None:
             need(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
@@ -75,7 +144,16 @@ class SamplingParams:
             "must be a list of non-negative integers",
         )
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
-        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", "must be in [0, 20]")
+        need(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+            "structured_outputs",
+            "must be a StructuredOutputs or None",
+        )
+        need(
+            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            "must be in [0, 20]",
+        )
 
     @property
     def greedy(self) -> bool:

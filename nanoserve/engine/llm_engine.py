@@ -12,6 +12,17 @@ each output token was reported exactly once, in order. A request added with `str
 is reported once, when it finishes (with all its tokens): callers that do not stream (the
 offline `LLM`) skip the per-token update objects.
 
+Constrained requests (SamplingParams.structured_outputs): the grammar compiles on
+nanoserve.structured's worker threads while the request waits outside the scheduler (it is
+queued once compiled; a failed compile finishes it with "abort"). Each such sample carries a
+GrammarMatcher that accepts its token when a step is processed; before sampling, the rows of
+constrained requests get a token bitmask filled on the host (every other row allows all),
+which the sampler applies on the device. In the overlap loop the mask needs the previous
+step's tokens, so a step with a constrained row launches its forward first and then
+processes the step in flight (the device runs the forward meanwhile) before filling masks
+and sampling; steps without one keep the plain overlap loop. A grammar that ends finishes
+its request with "stop"; max_tokens before that is "length".
+
 Host cost: in the overlap loop the host prepares step N+1 while the device runs step N, so
 everything `step()` does per request is paid on every step; the decode path keeps it to a
 few passes over the batch (see benchmarks/host_overhead.py for the per-phase figures).
@@ -39,6 +50,8 @@ from nanoserve.outputs import StepUpdate
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler.request import Request
 from nanoserve.scheduler.scheduler import ScheduledBatch, Scheduler, pages_for
+from nanoserve.structured.compiler import GrammarError, GrammarService, PendingGrammar
+from nanoserve.structured.matcher import GrammarMatcher, bitmask_words
 from nanoserve.switches import log_nondefault
 from nanoserve.tokenizer import load_tokenizer
 
@@ -109,6 +122,10 @@ class LLMEngine:
         self.num_steps = 0
         self._arrivals = itertools.count()
         self._pending_updates: list[StepUpdate] = []
+        self._grammars: GrammarService | None = None  # built on the first constrained request
+        self._compiling: list[tuple[Request, PendingGrammar]] = []  # constrained requests not yet queued
+        self.num_constrained = 0  # queued requests with a matcher (the step loop skips grammar work at 0)
+        self._mask_host: torch.Tensor | None = None  # int32 [rows, words], pinned on CUDA
         if self.device.type == "cuda" and tp.rank == 0:  # worker ranks follow rank 0's steps
             self._warm_up()
         log.info(
@@ -179,7 +196,41 @@ class LLMEngine:
             stream=stream,
         )
         self._set_stop_filter(req)
-        self.scheduler.add(req)
+        if params.structured_outputs is None:
+            self.scheduler.add(req)
+            return
+        self._compiling.append((req, self.grammar_service().submit(params.structured_outputs)))
+        self._queue_compiled()
+
+    def grammar_service(self) -> GrammarService:
+        """The grammar compiler (worker threads and cache), made on first use."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer: this model has none")
+            self._grammars = GrammarService(
+                self.tokenizer, self.model_config.vocab_size, list(self.model_config.eos_token_ids)
+            )
+        return self._grammars
+
+    def _queue_compiled(self) -> None:
+        """Queue the constrained requests whose grammar has compiled; finish ("abort") those
+        whose compile failed or ran out of time. Never waits."""
+        still = []
+        for req, pending in self._compiling:
+            try:
+                compiled = pending.poll()
+            except GrammarError as exc:
+                log.warning("request %s: %s", req.request_id, exc)
+                req.finish_reason = "abort"
+                self._pending_updates.append(self._update(req))
+                continue
+            if compiled is None:
+                still.append((req, pending))
+                continue
+            req.matcher = GrammarMatcher(compiled)
+            self.num_constrained += 1
+            self.scheduler.add(req)
+        self._compiling = still
 
     def _set_stop_filter(self, req: Request) -> None:
         """The stopping rules `_stop_reason` checks per token, gathered once per request."""
@@ -212,13 +263,22 @@ class LLMEngine:
         return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
 
     def abort_request(self, request_id: str, index: int | None = None) -> None:
+        for req, _ in [c for c in self._compiling if c[0].request_id == request_id]:
+            self._compiling = [c for c in self._compiling if c[0] is not req]
+            req.finish_reason = "abort"
+            self._pending_updates.append(self._update(req))
         for req in self.scheduler.find(request_id):
             if index is None or req.index == index:
                 self._finish(req, "abort")
                 self._pending_updates.append(self._update(req))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending_updates) or self._inflight is not None
+        return (
+            self.scheduler.has_work()
+            or bool(self._pending_updates)
+            or self._inflight is not None
+            or bool(self._compiling)
+        )
 
     # ---- stepping ----------------------------------------------------------------------
 
@@ -232,8 +292,22 @@ class LLMEngine:
             # Penalties read each request's tokens on the host: finish the step in flight.
             done, self._inflight = self._inflight, None
             updates += self._process(done)
+        if self._compiling:
+            self._queue_compiled()
+            if not self.scheduler.has_work() and self._inflight is None:
+                time.sleep(0.0005)  # only compiles are pending: do not spin on their futures
         batch = self.scheduler.schedule()
-        launched = self._launch(batch) if batch is not None else None
+        launched = None
+        if batch is not None:
+            launched, logits = self._forward(batch)
+            if launched.constrained and self._inflight is not None:
+                # The masks need the tokens of the step in flight: process it now, while the
+                # device runs this step's forward (requests finishing meanwhile are deferred
+                # to `launched`, as in the plain overlap loop).
+                done, self._inflight = self._inflight, launched
+                updates += self._process(done)
+                self._inflight = None
+            self._sample(launched, logits)
         if self.overlap:
             done, self._inflight = self._inflight, launched
         else:
@@ -246,10 +320,9 @@ class LLMEngine:
         self.num_steps += 1
         return updates
 
-    def _launch(self, batch: ScheduledBatch) -> _InFlight:
-        """Forward + sampling of one batch, queued on the device. Each sampling request
-        gets a placeholder token (-1) that `_process` fills in; its sampled token also
-        goes to the token pool at the request's slot, where the next step reads it."""
+    def _forward(self, batch: ScheduledBatch) -> tuple[_InFlight, torch.Tensor]:
+        """The forward of one batch, queued on the device; returns its record (sampling
+        requests, forks included) and the logits rows they sample from."""
         reqs = batch.requests
         if batch.is_decode:  # every request samples, none forks (forks happen after a prompt)
             samplers = range(len(reqs))
@@ -266,19 +339,40 @@ class LLMEngine:
                 rows, sample_reqs = None, reqs  # every request samples its own row, no fork
         record = _InFlight(sample_reqs, reqs)
         if not sample_reqs:
-            return record
+            return record, logits
         if rows is not None:
             logits = logits[_on_device(rows, self.device)]
-        record.result = self.sampler.sample(logits, [r.sample_row or self._sample_row(r) for r in sample_reqs])
-        positions = record.positions
-        for req in sample_reqs:
-            ids = req.token_ids
-            positions.append(len(ids))
-            ids.append(-1)
-        tokens = record.result.tokens
         if sample_reqs is reqs and inputs.req_slots is not None:
-            slots = inputs.req_slots  # already on the device
+            record.slots = inputs.req_slots  # already on the device
+        record.constrained = self.num_constrained > 0 and any(r.matcher is not None for r in sample_reqs)
+        return record, logits
+
+    def _sample(self, record: _InFlight, logits: torch.Tensor) -> None:
+        """Sampling of a launched forward, queued on the device. Each sampling request gets a
+        placeholder token (-1) that `_process` fills in; its sampled token also goes to the
+        token pool at the request's slot, where the next step reads it. A request finished
+        since the forward (only when a constrained step processed the step before it) gets
+        no placeholder: its token is dropped."""
+        sample_reqs = record.reqs
+        if not sample_reqs:
+            return
+        bitmask = self._fill_masks(sample_reqs, logits.shape[1]) if record.constrained else None
+        record.result = self.sampler.sample(logits, [r.sample_row or self._sample_row(r) for r in sample_reqs], bitmask)
+        positions = record.positions
+        if record.constrained:
+            for req in sample_reqs:
+                ids = req.token_ids
+                positions.append(len(ids))
+                if req.finish_reason is None:
+                    ids.append(-1)
         else:
+            for req in sample_reqs:
+                ids = req.token_ids
+                positions.append(len(ids))
+                ids.append(-1)
+        tokens = record.result.tokens
+        slots = record.slots
+        if slots is None:
             slots = _on_device([r.slot for r in sample_reqs], self.device)
         self.runner.token_pool.index_copy_(0, slots, tokens)
         if tokens.is_cuda:
@@ -286,7 +380,25 @@ class LLMEngine:
             record.host.copy_(tokens, non_blocking=True)
             record.event = torch.cuda.Event()
             record.event.record()
-        return record
+
+    def _fill_masks(self, reqs: list[Request], vocab: int) -> torch.Tensor:
+        """The next-token bitmask of every sampling row, on the device: constrained rows from
+        their matchers (filled on the host, copied without a sync), the others all ones.
+        The host buffer is reused: its previous copy has completed, since the tokens of the
+        step that used it were waited for before this step's masks (see `step`)."""
+        words = bitmask_words(vocab)
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None]
+        host = self._mask_host
+        if host is None or host.shape[0] < len(rows) or host.shape[1] != words:
+            size = max(len(rows), 2 * (host.shape[0] if host is not None else 8))
+            host = torch.empty(size, words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self._mask_host = host
+        for j, i in enumerate(rows):
+            reqs[i].matcher.fill_mask(host, j)
+        mask = torch.full((len(reqs), words), -1, dtype=torch.int32, device=self.device)
+        if rows:
+            mask[_on_device(rows, self.device)] = host[: len(rows)].to(self.device, non_blocking=True)
+        return mask
 
     def _process(self, record: _InFlight) -> list[StepUpdate]:
         """Fill in the sampled tokens of a launched step, apply the stopping rules and
@@ -308,6 +420,8 @@ class LLMEngine:
                 if lp is not None:
                     req.logprobs = (req.logprobs or []) + [lp]
                 reason = self._stop_reason(req, token, pos + 1)
+                if req.matcher is not None:
+                    reason = self._grammar_stop(req, token, reason)
                 if reason is not None:
                     self._finish(req, reason)
                     updates.append(self._update(req))
@@ -318,10 +432,23 @@ class LLMEngine:
             self.scheduler.finish(req, req.finish_reason)
         return updates
 
+    @staticmethod
+    def _grammar_stop(req: Request, token: int, reason: str | None) -> str | None:
+        """Advance the request's grammar by `token`: a grammar that has ended stops the request
+        ("stop", even at max_tokens: the output is complete); a token the grammar refuses
+        (the mask makes it impossible) aborts it rather than return text that breaks it."""
+        if not req.matcher.accept(token):
+            log.warning("request %s: sampled token %d is outside its grammar; aborting it", req.request_id, token)
+            return "abort"
+        return "stop" if req.matcher.is_terminated else reason
+
     def _finish(self, req: Request, reason: str) -> None:
         """Finish `req` for the caller now; its pages and slot go back now, or, if a
         launched step still uses it, once that step has been processed. Tokens still
-        being sampled for it (placeholders) are dropped."""
+        being sampled for it (placeholders) are dropped, and so is its grammar state."""
+        if req.matcher is not None:
+            req.matcher = None
+            self.num_constrained -= 1
         while req.token_ids and req.token_ids[-1] < 0 and len(req.token_ids) > req.num_computed:
             req.token_ids.pop()
         inflight = self._inflight
@@ -341,6 +468,7 @@ class LLMEngine:
             group = [req]
             if req.params.n > 1 and not req.forked:
                 group += self.scheduler.fork(req, lambda k, parent=req: self._child(parent, k))
+            self.num_constrained += sum(r.matcher is not None for r in group[1:])
             rows += [row] * len(group)
             reqs += group
         return rows, reqs
@@ -357,6 +485,7 @@ class LLMEngine:
             num_cached_tokens=parent.num_cached_tokens,
             generator=self._generator(seed),
             forked=True,
+            matcher=parent.matcher.fork() if parent.matcher is not None else None,
             stream=parent.stream,
             stop_len=parent.stop_len,
             stop_ids=parent.stop_ids,
@@ -447,6 +576,8 @@ class _InFlight:
         self.host: torch.Tensor | None = None  # pinned copy of the tokens (CUDA)
         self.event: torch.cuda.Event | None = None
         self.deferred: list[Request] = []  # finished meanwhile: release after processing
+        self.slots: torch.Tensor | None = None  # device slots of `reqs`, when the inputs had them
+        self.constrained = False  # a sampling request has a grammar
 
     def uses(self, req: Request) -> bool:
         """Whether the step runs or samples for `req` (asked only when a request finishes)."""

@@ -3,7 +3,9 @@
 Owns: turning a [N, vocab] block of logits (one row per sample) into N tokens, with
 per-row penalties, temperature, top-k, top-p, min-p, seeds and log-probabilities.
 
-Order, as in vLLM: penalties on the raw logits -> greedy rows take the argmax -> the rest
+Order, as in vLLM: penalties on the raw logits -> the token bitmask of structured outputs
+(disallowed words to -inf; an int32 [N, ceil(vocab / 32)] device tensor, see
+nanoserve.kernels.sampling) -> greedy rows take the argmax -> the rest
 divide by temperature, mask (top-k, then top-p, then min-p) and draw. Drawing uses the
 exponential-race trick (argmax of p / E with E ~ Exp(1)), which samples from p exactly and
 lets each seeded row draw its noise from its own generator, so a seeded request gives the
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.kernels.sampling import fused_sample
+from nanoserve.kernels.sampling import apply_token_bitmask, fused_sample
 from nanoserve.models.layers import fused
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
@@ -168,21 +170,24 @@ class Sampler:
         self.calls = 0  # keys the fused kernel's uniforms: new ones for every call
         self._plan: _BatchPlan | None = None
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None = None
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Host tokens and logprobs (syncs); the engine uses `sample` and converts later."""
-        return self.sample(logits, rows).to_host()
+        return self.sample(logits, rows, bitmask).to_host()
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None = None) -> SampleResult:
         """Tokens as a device tensor. No host sync unless a row has penalties (they read
-        the request's history, built on the host)."""
+        the request's history, built on the host). `bitmask`: int32 [N, ceil(vocab / 32)]
+        on the logits' device, the words each row may draw (structured outputs), or None."""
         plan = self._plan
         if plan is None or not plan.matches(rows):
             plan = self._plan = _BatchPlan(rows, logits.shape[1], logits.device, self.fused)
         if plan.fused:
-            tokens = fused_sample(logits, plan.row_temperature, self.seed, self.calls)
+            tokens = fused_sample(logits, plan.row_temperature, self.seed, self.calls, bitmask=bitmask)
             self.calls += 1
         else:
-            tokens = self._sample_torch(logits, rows, plan)
+            tokens = self._sample_torch(logits, rows, plan, bitmask)
         result = SampleResult(tokens, rows, plan.lp_rows)
         if result.lp_rows:
             idx = _device_tensor(result.lp_rows, logits.device, torch.long)
@@ -192,11 +197,15 @@ class Sampler:
             result.lp_chosen = logp.gather(1, tokens[idx][:, None])[:, 0]
         return result
 
-    def _sample_torch(self, logits: torch.Tensor, rows: list[SampleRow], plan: _BatchPlan) -> torch.Tensor:
+    def _sample_torch(
+        self, logits: torch.Tensor, rows: list[SampleRow], plan: _BatchPlan, bitmask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The slow twin: every feature, on an fp32 copy of the logits."""
         logits = logits.float()
         if plan.penalties:
             logits = apply_penalties(logits.clone(), rows)
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits.clone() if not plan.penalties else logits, bitmask)
         tokens = None if plan.all_random else logits.argmax(dim=-1)
         if plan.random_rows:
             sub = logits if plan.all_random else logits[plan.random_index]

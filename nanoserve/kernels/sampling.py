@@ -21,6 +21,11 @@ How, in two launches:
    The running sums and u are fp64 (u from 52 random bits), so no word's probability is lost
    to the resolution of fp32.
 
+Token bitmask (structured outputs): an optional int32 [N, ceil(vocab / 32)] input whose bit j
+of word i says whether word 32 * i + j is allowed in that row; both kernels read a disallowed
+word as -inf (in `_load_row_tile`, so the tile stats and the draw see the same masked row).
+`apply_token_bitmask` is its torch reference (and the torch sampler's way to apply it).
+
 `sample_reference` is the torch reference the tests compare with (sampler.py's torch path is
 the engine's slow twin).
 
@@ -65,11 +70,16 @@ _num_sms: dict[int, int] = {}
 
 
 @triton.jit
-def _load_row_tile(row_ptr, vocab, tile, BLOCK: tl.constexpr):
-    """Logits of words tile * BLOCK + [0, BLOCK) in fp32: -inf past the vocabulary and for NaN."""
+def _load_row_tile(row_ptr, vocab, tile, mask_row_ptr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Logits of words tile * BLOCK + [0, BLOCK) in fp32: -inf past the vocabulary, for NaN
+    and (HAS_MASK) for words whose bit in the row's bitmask is 0."""
     cols = tile * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-    return tl.where(x == x, x, float("-inf"))  # noqa: PLR0124 - x != x only for NaN
+    x = tl.where(x == x, x, float("-inf"))  # noqa: PLR0124 - x != x only for NaN
+    if HAS_MASK:
+        words = tl.load(mask_row_ptr + cols // 32, mask=cols < vocab, other=0)
+        x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
+    return x
 
 
 @triton.jit
@@ -101,15 +111,17 @@ def _row_uniform(seed, row, step_lo, step_hi):
 # value of 1 or a multiple of 16).
 @triton.jit(do_not_specialize=["tiles_per_chunk", "num_tiles"])
 def _tile_stats_kernel(
-    logits_ptr, temp_ptr, max_ptr, mass_ptr, vocab, stride_row, tiles_per_chunk, num_tiles, BLOCK: tl.constexpr
-):
+    logits_ptr, temp_ptr, max_ptr, mass_ptr, mask_ptr, vocab, stride_row, mask_words, tiles_per_chunk, num_tiles,
+    BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
     first = tl.program_id(1) * tiles_per_chunk
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    mask_row_ptr = mask_ptr + row.to(tl.int64) * mask_words
     t, c = _inv_temperature(temp_ptr, row)
     stats = row.to(tl.int64) * num_tiles
     for tile in range(first, tl.minimum(first + tiles_per_chunk, num_tiles)):
-        x = _load_row_tile(row_ptr, vocab, tile, BLOCK)
+        x = _load_row_tile(row_ptr, vocab, tile, mask_row_ptr, BLOCK, HAS_MASK)
         m = tl.max(x, axis=0)
         tl.store(max_ptr + stats + tile, m)
         if t > 0:  # greedy rows need no mass
@@ -118,11 +130,12 @@ def _tile_stats_kernel(
 
 @triton.jit(do_not_specialize=["num_tiles", "seed", "step_lo", "step_hi"])
 def _draw_kernel(
-    logits_ptr, temp_ptr, max_ptr, mass_ptr, out_ptr, vocab, stride_row, num_tiles, seed, step_lo, step_hi,
-    BLOCK: tl.constexpr, TILES: tl.constexpr,
+    logits_ptr, temp_ptr, max_ptr, mass_ptr, mask_ptr, out_ptr, vocab, stride_row, mask_words, num_tiles, seed,
+    step_lo, step_hi, BLOCK: tl.constexpr, TILES: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    mask_row_ptr = mask_ptr + row.to(tl.int64) * mask_words
     t, c = _inv_temperature(temp_ptr, row)
     j = tl.arange(0, TILES)
     j_ok = j < num_tiles
@@ -134,7 +147,7 @@ def _draw_kernel(
     # largest logit, in the first tile that holds it.
     top_tile = tl.min(tl.where(j_ok & (m == top), j, TILES), axis=0)
     k = tl.arange(0, BLOCK)
-    x = _load_row_tile(row_ptr, vocab, top_tile, BLOCK)
+    x = _load_row_tile(row_ptr, vocab, top_tile, mask_row_ptr, BLOCK, HAS_MASK)
     token = top_tile * BLOCK + tl.min(tl.where(x == top, k, BLOCK), axis=0)
 
     if t > 0:
@@ -153,7 +166,7 @@ def _draw_kernel(
         m_tile = tl.max(tl.where(j == tile, m, float("-inf")), axis=0)
         scale = _terms(m_tile, top, c).to(tl.float64)
         left = (target - before) / scale
-        y = _load_row_tile(row_ptr, vocab, tile, BLOCK)
+        y = _load_row_tile(row_ptr, vocab, tile, mask_row_ptr, BLOCK, HAS_MASK)
         terms = _terms(y, m_tile, c)
         run = tl.cumsum(terms.to(tl.float64), axis=0)
         last_word = tl.max(tl.where(terms > 0, k, -1), axis=0)
@@ -201,6 +214,18 @@ def row_uniforms(rows: int, seed: int, step: int, device: torch.device) -> torch
     return out
 
 
+def unpack_token_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [N, vocab] from an int32 bitmask [N, ceil(vocab / 32)]: True where allowed."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The torch reference of the kernels' mask: disallowed words set to -inf, in place."""
+    return logits.masked_fill_(~unpack_token_bitmask(bitmask, logits.shape[1]), float("-inf"))
+
+
 def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """The torch reference of `fused_sample` given its uniforms (`row_uniforms`): per row,
     the argmax (T == 0) or the first word where the fp64 CDF of softmax(logits / T) passes
@@ -217,11 +242,17 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, uniforms: 
 
 
 def fused_sample(
-    logits: torch.Tensor, temperature: torch.Tensor, seed: int, step: int, programs: int | None = None
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: int,
+    step: int,
+    programs: int | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row of `logits` [N, vocab] (any float dtype, words dense): a draw from
     softmax(logits / T), or the argmax where T == 0. `temperature`: fp32 [N] on the logits'
-    device. `seed`, `step`: host ints keying the uniforms. Returns long [N]."""
+    device. `seed`, `step`: host ints keying the uniforms. `bitmask`: optional int32
+    [N, ceil(vocab / 32)] of allowed words (see the module docstring). Returns long [N]."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows == 0:
@@ -233,12 +264,19 @@ def fused_sample(
     per_chunk, num_chunks = split_vocab(rows, num_tiles, programs)
     tile_max = torch.empty(rows, num_tiles, dtype=torch.float32, device=logits.device)
     tile_mass = torch.empty(rows, num_tiles, dtype=torch.float32, device=logits.device)
+    has_mask = bitmask is not None
+    if has_mask:
+        bitmask = bitmask.contiguous()
+        assert bitmask.dtype == torch.int32 and bitmask.shape == (rows, triton.cdiv(vocab, 32)), "bad bitmask shape"
+    mask_arg = bitmask if has_mask else out  # never read without HAS_MASK
+    words = triton.cdiv(vocab, 32)
     _tile_stats_kernel[(rows, num_chunks)](
-        logits, temperature, tile_max, tile_mass, vocab, logits.stride(0), per_chunk, num_tiles,
-        BLOCK=BLOCK, num_warps=NUM_WARPS,
+        logits, temperature, tile_max, tile_mass, mask_arg, vocab, logits.stride(0), words, per_chunk, num_tiles,
+        BLOCK=BLOCK, HAS_MASK=has_mask, num_warps=NUM_WARPS,
     )  # fmt: skip
     _draw_kernel[(rows,)](
-        logits, temperature, tile_max, tile_mass, out, vocab, logits.stride(0), num_tiles, *_noise_key(seed, step),
-        BLOCK=BLOCK, TILES=triton.next_power_of_2(num_tiles), num_warps=NUM_WARPS,
+        logits, temperature, tile_max, tile_mass, mask_arg, out, vocab, logits.stride(0), words, num_tiles,
+        *_noise_key(seed, step), BLOCK=BLOCK, TILES=triton.next_power_of_2(num_tiles), HAS_MASK=has_mask,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

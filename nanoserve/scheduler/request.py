@@ -59,6 +59,9 @@ class Request:
     stop_len: int = 2**62
     stop_ids: frozenset[int] | None = None
     sample_row: object | None = None  # the sampler's row, cached when it never changes (no penalties)
+    # Grammar state of a constrained request (nanoserve.structured.GrammarMatcher): it has
+    # accepted every output token already processed; dropped when the request finishes.
+    matcher: object | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,0 +1,66 @@
+"""The grammar state of one constrained sample, and the host bitmask its masks go into.
+
+Owns `GrammarMatcher`: wraps an xgrammar matcher for one request (one per sample: forks of
+an n > 1 request get their own), counting the output tokens it has accepted.
+
+Invariants:
+- `num_accepted` output tokens of the request have been accepted, in order, and no other
+  token: the engine accepts each sampled token once, when it processes the step that sampled
+  it, and fills the next mask only after that;
+- a mask row has bit j of word i set iff token 32 * i + j may come next (int32 words, the
+  layout of nanoserve.kernels.sampling's bitmask input); stop tokens are allowed only where
+  the grammar can end;
+- `live_matchers()` counts matchers still referenced anywhere: 0 once every constrained
+  request has finished (tests assert it).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import xgrammar as xgr
+
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_matchers() -> int:
+    return len(_live)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class GrammarMatcher:
+    def __init__(self, compiled: xgr.CompiledGrammar):
+        self.compiled = compiled  # kept to build fresh matchers for forks
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self.num_accepted = 0
+        _live.add(self)
+
+    def fork(self) -> GrammarMatcher:
+        """A matcher in the start state for another sample of the same request (forks are
+        made before any output token, so the start state is the right one)."""
+        return GrammarMatcher(self.compiled)
+
+    def accept(self, token: int) -> bool:
+        """Advance by `token`; False (state unchanged) if the grammar does not allow it."""
+        if not self._matcher.accept_token(token):
+            return False
+        self.num_accepted += 1
+        return True
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (an int32 CPU tensor)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar has ended (it accepted a stop token): nothing may follow."""
+        return self._matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (for speculative or dropped tokens)."""
+        self._matcher.rollback(num_tokens)
+        self.num_accepted -= num_tokens

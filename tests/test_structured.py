@@ -1,0 +1,307 @@
+"""Structured outputs offline, with the embedded SmolLM2-135M (real weights) on CPU: sampled
+outputs (temperature 1, several seeds) follow their JSON schema (checked with jsonschema),
+regex, choice, JSON object or EBNF grammar, in the simple and the overlap loop; constrained
+and free requests share batches without changing the free ones' tokens; max_tokens before
+the grammar ends gives "length"; n > 1 forks, preemption and aborts keep every sample's
+grammar right and leak nothing (pages, slots, matchers). Also the bitmask in the torch and
+the fused sampler, the tool-call grammar and the compiler's cache, errors and time limit."""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams, StructuredOutputs
+from nanoserve.engine.sampler import Sampler, SampleRow
+from nanoserve.kernels.sampling import apply_token_bitmask
+from nanoserve.structured import GrammarError, GrammarMatcher, live_matchers, tool_call_constraint
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "role": {"type": "string", "enum": ["admin", "user", "guest"]},
+        "score": {"type": "number", "minimum": 0, "maximum": 10},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "score", "tags", "address"],
+    "additionalProperties": False,
+}
+PROMPT = "Write a JSON record describing a person:"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = LLM("smollm2-135m", device="cpu")
+    yield llm
+    llm.shutdown()
+
+
+def assert_idle(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    stats = engine.stats()
+    assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"], stats
+    engine.check_invariants()
+    assert engine.num_constrained == 0
+    gc.collect()
+    assert live_matchers() == 0, "a grammar matcher outlived its request"
+
+
+def constrained(seed: int, max_tokens: int = 120, **kind) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=max_tokens, structured_outputs=StructuredOutputs(**kind)
+    )
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sampled_outputs_follow_their_constraints(llm, overlap):
+    llm.engine.overlap = overlap
+    try:
+        params = [constrained(s, json=SCHEMA) for s in range(4)]
+        params += [constrained(7, max_tokens=20, regex=r"[0-9]{3}-[0-9]{3}-[0-9]{4}")]
+        params += [constrained(8, max_tokens=8, choice=["positive", "negative", "neutral"])]
+        params += [constrained(9, max_tokens=60, json_object=True)]
+        params += [constrained(10, max_tokens=20, grammar='root ::= "(" [0-9]+ ("+" [0-9]+)* ")"')]
+        outs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    finally:
+        llm.engine.overlap = False
+    texts = [o.outputs[0].text for o in outs]
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop", (o.outputs[0].text, o.outputs[0].finish_reason)
+    for text in texts[:4]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(texts[:4])) > 1, "different seeds gave the same record"
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{3}-[0-9]{4}", texts[4])
+    assert texts[5] in ("positive", "negative", "neutral")
+    assert isinstance(json.loads(texts[6]), dict)
+    assert re.fullmatch(r"\([0-9]+(\+[0-9]+)*\)", texts[7])
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_batch_free_requests_unchanged(llm, overlap):
+    """Free greedy requests give the same tokens alone and beside constrained ones."""
+    llm.engine.overlap = overlap
+    try:
+        free = SamplingParams(temperature=0, max_tokens=12)
+        prompts = ["The capital of France is", "One, two, three,"]
+        alone = llm.generate(prompts, [free] * 2, use_tqdm=False)
+        mixed = llm.generate(
+            prompts + [PROMPT] * 2,
+            [free, free, constrained(1, json=SCHEMA), constrained(2, json=SCHEMA)],
+            use_tqdm=False,
+        )
+    finally:
+        llm.engine.overlap = False
+    assert [o.outputs[0].token_ids for o in alone] == [o.outputs[0].token_ids for o in mixed[:2]]
+    for o in mixed[2:]:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+    assert_idle(llm)
+
+
+def test_max_tokens_before_the_grammar_ends_is_length(llm):
+    (out,) = llm.generate([PROMPT], constrained(0, max_tokens=5, json=SCHEMA), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 5
+    with pytest.raises(ValueError):
+        json.loads(out.outputs[0].text)
+    assert_idle(llm)
+
+
+def test_forks_each_get_their_own_grammar(llm):
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=5, max_tokens=120, structured_outputs=StructuredOutputs(json=SCHEMA)
+    )
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    assert len(out.outputs) == 3
+    for c in out.outputs:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert_idle(llm)
+
+
+def test_preemption_keeps_the_grammar_state():
+    # A tiny KV cache: decode preempts and recomputes; each matcher keeps its accepted tokens.
+    small = LLM("smollm2-135m", device="cpu", page_size=4, kv_cache_tokens=160, enable_prefix_caching=False)
+    try:
+        small.engine.overlap = True
+        params = [constrained(s, json=SCHEMA) for s in range(4)]
+        outs = small.generate([PROMPT] * 4, params, use_tqdm=False)
+        assert small.stats()["num_preemptions"] > 0
+        for o in outs:
+            assert o.outputs[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+        assert_idle(small)
+    finally:
+        small.shutdown()
+
+
+def test_abort_frees_the_matcher(llm):
+    engine = llm.engine
+    ids = llm.tokenizer.encode(PROMPT)
+    engine.overlap = True
+    try:
+        engine.add_request("a", ids, constrained(0, json=SCHEMA))
+        engine.add_request("b", ids, constrained(1, json=SCHEMA))
+        for _ in range(4):
+            engine.step()
+        engine.abort_request("a")
+        engine.add_request("c", ids, constrained(2, json=SCHEMA))
+        engine.abort_request("c")  # possibly still compiling (cached here: queued at once)
+        finished = {}
+        while engine.has_unfinished_requests():
+            for up in engine.step():
+                if up.finish_reason:
+                    finished[up.request_id] = up.finish_reason
+    finally:
+        engine.overlap = False
+    assert finished["a"] == "abort" and finished["c"] == "abort" and finished["b"] == "stop"
+    assert_idle(llm)
+
+
+def test_bad_constraints_raise_value_errors_naming_the_problem(llm):
+    with pytest.raises(GrammarError, match="regex"):
+        llm.generate([PROMPT], constrained(0, regex="([a-"), use_tqdm=False)
+    with pytest.raises(GrammarError, match="JSON schema"):
+        llm.generate([PROMPT], constrained(0, json={"type": "nosuchtype"}), use_tqdm=False)
+    with pytest.raises(GrammarError, match="EBNF"):
+        llm.generate([PROMPT], constrained(0, grammar="root ::= undefined_rule"), use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs()
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputs(choice=[])
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})
+    assert_idle(llm)
+
+
+def test_compile_cache_and_time_limit(llm):
+    service = llm.engine.grammar_service()
+    spec = StructuredOutputs(json={"type": "object", "properties": {"x": {"type": "integer"}}})
+    before = service.num_compiles
+    first = service.compile(spec)
+    again = service.compile(
+        StructuredOutputs(json=json.dumps({"properties": {"x": {"type": "integer"}}, "type": "object"}))
+    )
+    assert again is first and service.num_compiles == before + 1, "equal schemas compiled twice"
+    slow = StructuredOutputs(
+        json={"type": "object", "properties": {f"f{i}": {"type": "string", "maxLength": 300 + i} for i in range(40)}}
+    )
+    with pytest.raises(GrammarError, match="time limit"):
+        service.compile(slow, timeout_s=0.001)
+    # Other compiles go on meanwhile (the slow one holds one worker).
+    service.compile(StructuredOutputs(regex="[a-z]+"), timeout_s=5)
+
+
+def test_tool_call_constraint_admits_only_calls(llm):
+    functions = [
+        {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+        {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"], "additionalProperties": False}},
+    ]  # fmt: skip
+    spec = tool_call_constraint("<tool_call>", "</tool_call>", functions, at_least_one=True, allow_many=True)
+    compiled = llm.engine.grammar_service().compile(spec)
+    tok = llm.tokenizer
+
+    def admits(text: str) -> bool:
+        m = GrammarMatcher(compiled)
+        return (
+            all(m.accept(t) for t in tok.encode(text, add_special_tokens=False) + [tok.eos_token_id])
+            and m.is_terminated
+        )
+
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert admits(call) and admits(call + "\n" + call.replace("add", "add"))
+    assert not admits('<tool_call>{"name": "sub", "arguments": {}}</tool_call>')
+    assert not admits('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    assert not admits("hello " + call)
+    assert not admits("")
+    one = tool_call_constraint("[", "]", functions[:1], at_least_one=False, allow_many=False, name_key="function")
+    compiled = llm.engine.grammar_service().compile(one)
+    assert admits("") and admits('[{"function": "get_weather", "arguments": {"city": "Oslo"}}]')
+    assert not admits(
+        '[{"function": "get_weather", "arguments": {"city": "Oslo"}}] [{"function": "get_weather", "arguments": {"city": "Oslo"}}]'
+    )
+    single = tool_call_constraint("<tool_call>", "</tool_call>", functions, at_least_one=True, allow_many=False)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=80, structured_outputs=single)
+    (out,) = llm.generate(["Call a tool:"], params, use_tqdm=False)
+    text = out.outputs[0].text
+    body = re.fullmatch(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.DOTALL)
+    assert out.outputs[0].finish_reason == "stop" and body, text
+    call_obj = json.loads(body.group(1))
+    fn = next(f for f in functions if f["name"] == call_obj["name"])
+    jsonschema.validate(call_obj["arguments"], fn["parameters"])
+    assert_idle(llm)
+
+
+# ------------------------------------------------------------------ the bitmask in the sampler
+
+
+def random_bitmask(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(rows, vocab, generator=gen) < 0.1
+    allowed[:, 0] = False
+    allowed[0] = False
+    allowed[0, vocab - 3] = True  # a row with one allowed word, far from the argmax
+    words = torch.zeros(rows, (vocab + 31) // 32 * 32, dtype=torch.int64)
+    words[:, :vocab] = allowed.long()
+    packed = (words.view(rows, -1, 32) << torch.arange(32)).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32), allowed
+
+
+def test_torch_sampler_draws_only_allowed_words():
+    rows, vocab = 6, 203
+    mask, allowed = random_bitmask(rows, vocab, 0)
+    x = torch.randn(rows, vocab)
+    assert torch.equal(apply_token_bitmask(x.clone(), mask) > float("-inf"), allowed)
+    for temperature in (0.0, 1.0):
+        sampler = Sampler(torch.device("cpu"), seed=0, fused=False)
+        rs = [SampleRow(SamplingParams(temperature=temperature, top_k=50 if temperature else -1), None, [], [])] * rows
+        for _ in range(5):
+            tokens, _ = sampler(x, rs, mask)
+            assert all(allowed[i, t] for i, t in enumerate(tokens)), tokens
+        if temperature == 0:
+            assert tokens == x.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_sampler_with_bitmask_matches_torch(dtype):
+    """Under TRITON_INTERPRET=1 (conftest): the kernels with a bitmask give exactly the tokens
+    they give for logits masked beforehand in torch (same uniforms), greedy rows the masked
+    argmax, and never a disallowed word."""
+    pytest.importorskip("triton")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    from nanoserve.kernels.sampling import fused_sample
+
+    rows, vocab = 5, 203
+    mask, allowed = random_bitmask(rows, vocab, 1)
+    x = torch.randn(rows, vocab).to(dtype)
+    temps = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.3])
+    for step in range(3):
+        got = fused_sample(x, temps, seed=4, step=step, bitmask=mask)
+        want = fused_sample(apply_token_bitmask(x.float(), mask), temps, seed=4, step=step)
+        assert torch.equal(got, want), (got, want)
+        assert all(allowed[i, t] for i, t in enumerate(got.tolist()))
+    greedy = temps == 0
+    masked = x.float().masked_fill(~allowed, float("-inf"))
+    assert torch.equal(got[greedy], masked.argmax(-1)[greedy])
