@@ -243,3 +243,23 @@ def test_parse_accepts_compressed_tensors_static():
     scheme = quant.parse_quantization_config({"quantization_config": cfg})
     assert scheme.static_activations and scheme.is_ignored("lm_head")
     assert not scheme.is_ignored("model.layers.0.mlp.down_proj")
+
+
+@pytest.mark.parametrize("case", ["fp8-block", "online"])
+def test_tp2_fp8_equals_tp1(tiny, case):
+    """TP=2 (gloo) on an FP8 checkpoint and with quantization="fp8": every rank reads the
+    config and quantizes or dequantizes the same way, so TP=2 gives TP=1's greedy tokens."""
+    if case == "online":
+        model, extra = tiny["qwen3"], {"quantization": "fp8"}
+    else:
+        root = tiny["root"] / "tp2-block"
+        write_fp8(tiny["qwen3"], root / "fp8", root / "plain", case)
+        model, extra = root / "fp8", {}
+    want = greedy(model, **extra)
+    tp2 = LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=2, dist_timeout_s=60, **extra)
+    try:
+        got = [o.outputs[0].token_ids for o in tp2.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == want
+        assert_idle(tp2)
+    finally:
+        tp2.shutdown()
