@@ -54,7 +54,7 @@ def test_completion_rejects(body, param):
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
         (
-            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
             "response_format.type",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),

@@ -34,6 +34,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from concurrent import futures
 
 import torch
 
@@ -294,8 +295,10 @@ class LLMEngine:
             updates += self._process(done)
         if self._compiling:
             self._queue_compiled()
-            if not self.scheduler.has_work() and self._inflight is None:
-                time.sleep(0.0005)  # only compiles are pending: do not spin on their futures
+            if not self.scheduler.has_work() and self._inflight is None and self._compiling:
+                # Only compiles are pending: wait for one a little rather than spin on them.
+                futures.wait([c[1].future for c in self._compiling], timeout=0.005, return_when=futures.FIRST_COMPLETED)
+                self._queue_compiled()
         batch = self.scheduler.schedule()
         launched = None
         if batch is not None:

@@ -49,6 +49,7 @@ class ServerState:
     tokenizer: object | None
     metrics: ServerMetrics
     api_key: str | None = None
+    grammars: object | None = None  # nanoserve.structured.GrammarService, made on first use
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -218,6 +219,31 @@ def build_app(state: ServerState) -> FastAPI:
         except ValueError as exc:
             raise p.sampling_error_to_request_error(exc) from None
 
+    async def check_grammar(params, param: str) -> None:
+        """Compile a request's constraint here (worker threads of this process, cached), so a
+        bad schema, regex or grammar, or one over the time limit, is a 400 naming it before
+        the engine sees the request; the engine process compiles it again off its step loop."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        from nanoserve.structured import GrammarError, GrammarService
+
+        tokenizer = need_tokenizer(param)
+        if state.grammars is None:
+            state.grammars = GrammarService(tokenizer, state.vocab_size, [tokenizer.eos_token_id or 0])
+        pending = state.grammars.submit(spec)
+        try:
+            # shield: a time-out here must not cancel the shared, cached compile
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending.future)), timeout=pending.timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):
+            raise p.bad_request(
+                f"compiling the {spec.kind} constraint took longer than the time limit ({pending.timeout_s:g} s)",
+                param,
+                "grammar_timeout",
+            ) from None
+        except GrammarError as exc:
+            raise p.bad_request(str(exc), param, "invalid_grammar") from None
+
     async def start(prompts: list[list[int]], params, prompt_param: str) -> Generation:
         check_alive()
         gen = Generation(state.client, state.metrics, state.tokenizer, prompts, params)
@@ -288,6 +314,7 @@ def build_app(state: ServerState) -> FastAPI:
             prompts.append(ids)
         max_tokens = resolve_max_tokens(prompts, req.max_tokens, "max_tokens" in req.model_fields_set, "prompt")
         params = sampling_params(req, max_tokens)
+        await check_grammar(params, "structured_outputs")
         gen = await start(prompts, params, "prompt")
         rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.n
 
@@ -399,6 +426,7 @@ def build_app(state: ServerState) -> FastAPI:
         was_sent = bool({"max_tokens", "max_completion_tokens"} & req.model_fields_set)
         max_tokens = resolve_max_tokens([ids], req.requested_max_tokens, was_sent, "messages")
         params = sampling_params(req, max_tokens)
+        await check_grammar(params, "response_format" if req.response_format is not None else "structured_outputs")
         gen = await start([ids], params, "messages")
         rid, created, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.n
 
@@ -485,6 +513,7 @@ def build_app(state: ServerState) -> FastAPI:
         sent = "max_tokens" in req.sampling_params.model_fields_set
         max_tokens = resolve_max_tokens([ids], req.sampling_params.max_tokens, sent, param)
         params = sampling_params(req, max_tokens)
+        await check_grammar(params, "structured_outputs")
         gen = await start([ids], params, param)
         rid = f"gen-{uuid.uuid4().hex}"
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputs
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -124,6 +124,30 @@ def _check_stop(value: Any) -> Any:
     return stops
 
 
+class StructuredOutputsField(_Strict):
+    """vLLM's `structured_outputs` extension: exactly one constraint on the output."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def spec(self) -> StructuredOutputs:
+        try:
+            return StructuredOutputs(
+                json=self.json_,
+                regex=self.regex,
+                choice=self.choice,
+                grammar=self.grammar,
+                json_object=bool(self.json_object),
+            )
+        except ValueError as exc:
+            raise bad_request(
+                str(exc).replace("StructuredOutputs", "structured_outputs"), "structured_outputs"
+            ) from None
+
+
 class _SamplingFields(_Strict):
     """Sampling and stopping fields shared by completions and chat (OpenAI names + vLLM extras)."""
 
@@ -145,6 +169,7 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the operator's logs; has no effect on output
+    structured_outputs: StructuredOutputsField | None = None
     # Known OpenAI fields that the engine cannot honour: accepted only at their neutral value.
     logit_bias: dict[str, float] | None = None
 
@@ -173,6 +198,9 @@ class _SamplingFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def structured_spec(self) -> StructuredOutputs | None:
+        return self.structured_outputs.spec() if self.structured_outputs is not None else None
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return sampling_params_from(self, max_tokens, logprobs)
@@ -258,8 +286,34 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema` (`schema` is the JSON Schema itself)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]  # json_object / json_schema would need constrained decoding
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise bad_request("response_format of type json_schema needs a json_schema", "response_format")
+        return self
+
+    def spec(self) -> StructuredOutputs | None:
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if self.type == "json_schema":
+            # No schema: any JSON object (OpenAI requires one; be lenient as vLLM is).
+            schema = self.json_schema.schema_
+            return StructuredOutputs(json=schema) if schema is not None else StructuredOutputs(json_object=True)
+        return None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -296,6 +350,13 @@ class ChatCompletionRequest(_SamplingFields):
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
+    def structured_spec(self) -> StructuredOutputs | None:
+        """response_format or structured_outputs (not both) as the engine's constraint."""
+        from_format = self.response_format.spec() if self.response_format is not None else None
+        if from_format is not None and self.structured_outputs is not None:
+            raise bad_request("send response_format or structured_outputs, not both", "response_format")
+        return from_format or _SamplingFields.structured_spec(self)
+
     def template_messages(self) -> list[dict]:
         # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
@@ -320,6 +381,10 @@ class GenerateSamplingParams(_Strict):
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsField | None = None
+
+    def structured_spec(self) -> StructuredOutputs | None:
+        return self.structured_outputs.spec() if self.structured_outputs is not None else None
 
     _check_stop = field_validator("stop")(classmethod(lambda cls, v: _check_stop(v)))
 
@@ -390,4 +455,5 @@ def sampling_params_from(fields, max_tokens: int | None, logprobs: int | None) -
         ignore_eos=fields.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=fields.skip_special_tokens,
+        structured_outputs=fields.structured_spec(),
     )

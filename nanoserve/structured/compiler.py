@@ -124,7 +124,7 @@ class GrammarService:
         key = spec.key()
         with self._lock:
             future = self._cache.get(key)
-            if future is not None and future.done() and future.exception() is not None:
+            if future is not None and future.done() and (future.cancelled() or future.exception() is not None):
                 future = None  # failed compiles are not cached
             if future is None:
                 future = self._pool.submit(self._run, spec)
