@@ -159,6 +159,14 @@ def test_fp8_layers_hold_sharded_scales(tiny, layout, tp_size):
         tp = TPGroup(rank=rank, size=tp_size)
         model = build_model(source, "auto", torch.float32, torch.device("cpu"), 0, 64, tp=tp, keep_fp8=True)
         linears = [(n, m) for n, m in model.named_modules() if getattr(m, "fp8", None) is not None]
+        if tp_size == 1:
+            # Built on the meta device and materialized: everything but the FP8 linears equals
+            # the dense model's, the rotary tables included (recomputed, not loaded).
+            fp8_names = {f"{n}.{leaf}" for n, _ in linears for leaf in ("weight", "weight_scale", "weight_scale_inv")}
+            for pname, p in model.named_parameters():
+                if pname not in fp8_names and "input_scale" not in pname:
+                    assert torch.equal(p, full_params[pname]), pname
+            assert torch.equal(model.rotary.cos, full.rotary.cos) and torch.equal(model.rotary.sin, full.rotary.sin)
         assert len(linears) == 4 * 2  # qkv, o, gate_up, down in each of two layers
         for name, module in linears:
             assert module.weight.dtype == FP8

@@ -311,10 +311,15 @@ class RotaryEmbedding(_SwitchedLayer):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, head_dim/2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self._spec = (head_dim, max_positions, theta, scaling)
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)  # [max_pos, head_dim/2]
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        head_dim, max_positions, theta, scaling = self._spec
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
+        return freqs.cos(), freqs.sin()
 
     def forward(
         self,
@@ -346,6 +351,20 @@ class RotaryEmbedding(_SwitchedLayer):
         if kv_sink is not None:
             kv_sink.store(k, v)
         return q, k
+
+
+def init_unloaded(model: nn.Module) -> None:
+    """Fill what the checkpoint does not: the rotary tables and the FP8 input scales (which
+    their loader raises to the largest part's). For a model built on the meta device and
+    materialized with `to_empty`, whose tensors hold garbage until loaded."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            with torch.device(module.cos.device):
+                cos, sin = module._tables()
+            module.cos.copy_(cos)
+            module.sin.copy_(sin)
+        elif getattr(module, "fp8_block", None) is not None and hasattr(module, "input_scale"):
+            module.input_scale.data.zero_()
 
 
 def _shard(size: int, tp: TPGroup, what: str) -> int:
@@ -392,7 +411,15 @@ class ColumnParallelLinear(_SwitchedLayer):
             start += part.size
         raise KeyError(f"no part {shard_id!r} in this linear")
 
-    fp8: Fp8Weight | None = None
+    fp8_block: bool | None = None  # None: a dense weight; else FP8 with block (True) or per-channel scales
+
+    @property
+    def fp8(self) -> Fp8Weight | None:
+        """The FP8 weight's scales (None for a dense weight), read from the parameters."""
+        if self.fp8_block is None:
+            return None
+        scale = self.weight_scale_inv if self.fp8_block else self.weight_scale
+        return Fp8Weight(scale, self.fp8_block, getattr(self, "input_scale", None))
 
     def use_fp8(self, block: bool, static_input: bool) -> None:
         """Hold the weight in FP8 with its scales (before loading): see the module docstring."""
@@ -409,13 +436,12 @@ class ColumnParallelLinear(_SwitchedLayer):
         self.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8_DTYPE), requires_grad=False)
         self.weight.weight_loader = self._load
         self.register_parameter("weight_scale_inv" if block else "weight_scale", scale)
-        input_scale = None
         if static_input:
             # Merged parts share one input: it is quantized with the largest of their scales.
             input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
             input_scale.weight_loader = lambda p, full, shard_id: torch.maximum(p.data, full.reshape(1), out=p.data)
             self.input_scale = input_scale
-        self.fp8 = Fp8Weight(scale, block, input_scale)
+        self.fp8_block = block
 
     def _load_blocks(self, param: nn.Parameter, full: torch.Tensor, shard_id: str | None) -> None:
         start = 0
@@ -429,8 +455,9 @@ class ColumnParallelLinear(_SwitchedLayer):
         raise KeyError(f"no part {shard_id!r} in this linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8 is not None:
-            return fp8_linear(x, self.weight, self.fp8, self.bias, switches=self.switches)
+        fp8 = self.fp8
+        if fp8 is not None:
+            return fp8_linear(x, self.weight, fp8, self.bias, switches=self.switches)
         return linear(x, self.weight, self.bias, switches=self.switches)
 
 
@@ -456,7 +483,15 @@ class RowParallelLinear(_SwitchedLayer):
         cols = param.shape[1]
         param.data.copy_(full[:, self.tp.rank * cols : (self.tp.rank + 1) * cols])
 
-    fp8: Fp8Weight | None = None
+    fp8_block: bool | None = None  # None: a dense weight; else FP8 with block (True) or per-channel scales
+
+    @property
+    def fp8(self) -> Fp8Weight | None:
+        """The FP8 weight's scales (None for a dense weight), read from the parameters."""
+        if self.fp8_block is None:
+            return None
+        scale = self.weight_scale_inv if self.fp8_block else self.weight_scale
+        return Fp8Weight(scale, self.fp8_block, getattr(self, "input_scale", None))
 
     def use_fp8(self, block: bool, static_input: bool) -> None:
         """Hold the weight in FP8 with its scales (before loading): see the module docstring."""
@@ -473,12 +508,11 @@ class RowParallelLinear(_SwitchedLayer):
         self.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8_DTYPE), requires_grad=False)
         self.weight.weight_loader = self._load_weight
         self.register_parameter("weight_scale_inv" if block else "weight_scale", scale)
-        input_scale = None
         if static_input:
             input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
             input_scale.weight_loader = whole
             self.input_scale = input_scale
-        self.fp8 = Fp8Weight(scale, block, input_scale)
+        self.fp8_block = block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """This rank's partial sums x_r W_r^T, rank 0's plus the bias: the layer's output once
@@ -487,12 +521,13 @@ class RowParallelLinear(_SwitchedLayer):
         the product runs split-K (`split_sum_in_norm`, no bias), its unsummed SplitKPartials:
         the RMSNorm after it is this layer's only consumer."""
         switches = self.switches
-        if self.fp8 is not None:
+        fp8 = self.fp8
+        if fp8 is not None:
             rows, n = x.numel() // x.shape[-1], self.weight.shape[0]
             fp32 = self.tp.size > 1 and switches.tp_reduce_fp32
             out = self.tp.partial_out(rows, n, torch.float32 if fp32 else x.dtype, self.reduce_slot)
             bias = self.bias if self.tp.rank == 0 else None
-            return fp8_linear(x, self.weight, self.fp8, bias, fp32_out=fp32, out=out, switches=switches)
+            return fp8_linear(x, self.weight, fp8, bias, fp32_out=fp32, out=out, switches=switches)
         if self.tp.size == 1 and self.bias is None and switches.split_sum_in_norm and x.dim() == 2:
             config = _small_m_config(x, self.weight, switches)
             if config is not None and config.split_k > 1:

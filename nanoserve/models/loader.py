@@ -23,7 +23,7 @@ from tqdm import tqdm
 from nanoserve.distributed import SINGLE, TPGroup
 from nanoserve.models import quantization as quant
 from nanoserve.models.decoder import DecoderLM
-from nanoserve.models.layers import ColumnParallelLinear, RowParallelLinear
+from nanoserve.models.layers import ColumnParallelLinear, RowParallelLinear, init_unloaded
 from nanoserve.models.model_config import ModelConfig
 from nanoserve.models.registry import ModelSource, gguf_metadata
 from nanoserve.switches import KernelSwitches
@@ -220,13 +220,19 @@ def build_model(
     if scheme is not None and load_format == "dummy":
         scheme, online = None, quant.Fp8Scheme("online")  # random weights: quantized at load per channel
     keep = device.type == "cuda" if keep_fp8 is None else keep_fp8
+    fp8 = keep and (scheme or online) is not None
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        # FP8 linears are built on the meta device first and allocated once converted: the
+        # model never takes its high-precision size on the device (a 70B model would not fit).
+        with torch.device("meta" if fp8 else device):
             model = DecoderLM(cfg, max_positions=max_positions, tp=tp, switches=switches)
-            if keep and (scheme or online) is not None:
+            if fp8:
                 _use_fp8(model, scheme or online)
+        if fp8:
+            _materialize(model, device)
+            init_unloaded(model)
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":
@@ -262,3 +268,20 @@ def _use_fp8(model: DecoderLM, scheme: quant.Fp8Scheme) -> None:
         if any(ignored):
             raise quant.UnsupportedQuantization(f"{hf_names}: merged projections of which only some are quantized")
         module.use_fp8(scheme.block is not None, scheme.static_activations)
+
+
+def _materialize(model: DecoderLM, device: torch.device) -> None:
+    """Give every meta tensor of `model` storage on `device` (garbage until loaded or
+    `init_unloaded`), each Parameter keeping its attributes (its weight_loader) and ties."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in made:
+                q = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                q.__dict__.update(p.__dict__)
+                made[id(p)] = q
+            if p is not None:
+                module._parameters[name] = made[id(p)]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty_like(b, device=device)
