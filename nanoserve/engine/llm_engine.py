@@ -127,6 +127,8 @@ class LLMEngine:
         self._compiling: list[tuple[Request, PendingGrammar]] = []  # constrained requests not yet queued
         self.num_constrained = 0  # queued requests with a matcher (the step loop skips grammar work at 0)
         self._mask_host: torch.Tensor | None = None  # int32 [rows, words], pinned on CUDA
+        self.mask_fill_s = 0.0  # host time filling grammar masks (benchmarks/structured.py reads it)
+        self.num_masked_steps = 0
         if self.device.type == "cuda" and tp.rank == 0:  # worker ranks follow rank 0's steps
             self._warm_up()
         log.info(
@@ -389,6 +391,7 @@ class LLMEngine:
         their matchers (filled on the host, copied without a sync), the others all ones.
         The host buffer is reused: its previous copy has completed, since the tokens of the
         step that used it were waited for before this step's masks (see `step`)."""
+        started = time.perf_counter()
         words = bitmask_words(vocab)
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None]
         host = self._mask_host
@@ -401,6 +404,8 @@ class LLMEngine:
         mask = torch.full((len(reqs), words), -1, dtype=torch.int32, device=self.device)
         if rows:
             mask[_on_device(rows, self.device)] = host[: len(rows)].to(self.device, non_blocking=True)
+        self.mask_fill_s += time.perf_counter() - started
+        self.num_masked_steps += 1
         return mask
 
     def _process(self, record: _InFlight) -> list[StepUpdate]:
