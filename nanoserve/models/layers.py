@@ -175,7 +175,7 @@ def fp8_linear(
     rows = x.numel() // k if k else 0
     dtype = torch.float32 if fp32_out else x.dtype
     fast = switches.triton_ops and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
-    if not fast:
+    if not fast or rows == 0:
         y = F.linear(x, fp8_kernels.dequantize_weight(weight, fp8.scale, fp8.block, x.dtype), bias)
         return y.to(dtype) if out is None else out.copy_(y.reshape(rows, n)).view(*x.shape[:-1], n)
     x2 = x.reshape(rows, k)
