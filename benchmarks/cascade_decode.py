@@ -25,9 +25,9 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from nanoserve.kernels import attention as tk
 from nanoserve.attention.base import CascadeInputs
 from nanoserve.attention.cascade import MAX_CASCADE_PARTS, max_cascade_items, plan_cascade
+from nanoserve.kernels import attention as tk
 
 DEV, PAGE, D, HKV = "cuda", 16, 128, 8
 # (batch, groups, shared prefix tokens, own tokens per request)

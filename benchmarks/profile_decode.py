@@ -48,7 +48,6 @@ import torch.nn.functional as F
 from nanoserve import LLM, SamplingParams
 from nanoserve.kernels import attention as tk
 from nanoserve.switches import KernelSwitches
-from nanoserve.models import layers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from latency import batch1_graph_ms
@@ -92,9 +91,7 @@ def profile_batch1(name: str, ops_on: bool, min_split: int | None = None, pdl: b
     if min_split is not None:  # an experiment on the attention backend's decode split policy
         tk.MIN_SPLIT_TOKENS = min_split
     switches = KernelSwitches(triton_ops=ops_on, pdl=pdl)
-    llm = LLM(
-        name, load_format="dummy", max_model_len=1024, kv_cache_tokens=16384, max_num_seqs=8, switches=switches
-    )
+    llm = LLM(name, load_format="dummy", max_model_len=1024, kv_cache_tokens=16384, max_num_seqs=8, switches=switches)
     engine = llm.engine
     engine.add_request("p", PROMPT, SamplingParams(temperature=0, max_tokens=700, ignore_eos=True))
     for _ in range(8):  # prefill, then decode steps from the graph

@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description="A compact LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate answers to prompts offline")
-    gen.add_argument("--model", default=DEFAULT_MODEL, help=f"model alias, GGUF file or HF directory (default {DEFAULT_MODEL})")
+    gen.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"model alias, GGUF file or HF directory (default {DEFAULT_MODEL})"
+    )
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")

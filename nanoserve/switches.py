@@ -87,7 +87,9 @@ class KernelSwitches:
 
     def nondefault(self) -> dict[str, object]:
         """{environment variable: value} for every switch that differs from its default."""
-        return {self.env_name(f.name): getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+        return {
+            self.env_name(f.name): getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default
+        }
 
 
 # Settings that are not kernel switches, with what they set.

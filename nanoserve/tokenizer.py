@@ -32,7 +32,7 @@ def _load_from(source: ModelSource):
     if (cached / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cached))
-        except Exception as exc:  # a damaged cache is rebuilt, not fatal
+        except Exception as exc:  # noqa: BLE001 -- a damaged cache is rebuilt, not fatal
             log.warning("ignoring unreadable tokenizer cache %s: %s", cached, exc)
     tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     try:

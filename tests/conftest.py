@@ -20,6 +20,7 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
+
 # Without a GPU, Triton kernels can only run in Triton's interpreter, which must be chosen
 # before triton is first imported: the CPU tests of the Triton backend rely on this.
 if not torch.cuda.is_available():

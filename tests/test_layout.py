@@ -161,7 +161,11 @@ def test_switches_from_environment():
         {"NANOSERVE_PDL": "0", "NANOSERVE_SYMM_PROTOCOL": "LL", "NANOSERVE_SYMM_MEM_MAX_BYTES": "1024", "PATH": "/x"}
     )
     assert (s.pdl, s.symm_protocol, s.symm_mem_max_bytes) == (False, "ll", 1024)
-    assert s.nondefault() == {"NANOSERVE_PDL": False, "NANOSERVE_SYMM_PROTOCOL": "ll", "NANOSERVE_SYMM_MEM_MAX_BYTES": 1024}
+    assert s.nondefault() == {
+        "NANOSERVE_PDL": False,
+        "NANOSERVE_SYMM_PROTOCOL": "ll",
+        "NANOSERVE_SYMM_MEM_MAX_BYTES": 1024,
+    }
     for bad in ({"NANOSERVE_PDL": "maybe"}, {"NANOSERVE_SYMM_PROTOCOL": "push"}, {"NANOSERVE_TP_TEARDOWN": "x"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             KernelSwitches.from_env(bad)

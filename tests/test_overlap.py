@@ -67,7 +67,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.mark.parametrize("max_num_seqs", [256, 3])
 def test_greedy_same_as_simple_loop(model_dir, max_num_seqs):
-    kw = dict(max_num_seqs=max_num_seqs, chunked_prefill_size=64)
+    kw = {"max_num_seqs": max_num_seqs, "chunked_prefill_size": 64}
     simple = run(make_llm(model_dir, False, **kw), PROMPTS, GREEDY)
     overlap = run(make_llm(model_dir, True, **kw), PROMPTS, GREEDY)
     assert overlap == simple
@@ -79,7 +79,8 @@ def test_stop_tokens_and_lengths(model_dir):
     # Stop on the 5th greedy token of the first prompt; vary max_tokens per prompt.
     stop = reference[0][0][0][4]
     params = [
-        SamplingParams(temperature=0, max_tokens=5 + 3 * i, ignore_eos=True, stop_token_ids=[stop]) for i in range(len(PROMPTS))
+        SamplingParams(temperature=0, max_tokens=5 + 3 * i, ignore_eos=True, stop_token_ids=[stop])
+        for i in range(len(PROMPTS))
     ]
     simple = run(make_llm(model_dir, False), PROMPTS, params)
     overlap = run(make_llm(model_dir, True), PROMPTS, params)
@@ -113,7 +114,7 @@ def test_penalties_fall_back_to_sync(model_dir):
 
 def test_preemption_same_tokens(model_dir):
     # A KV cache of a few pages forces preemption and recomputation mid-run.
-    kw = dict(page_size=4, kv_cache_tokens=96, enable_prefix_caching=False)
+    kw = {"page_size": 4, "kv_cache_tokens": 96, "enable_prefix_caching": False}
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [p[:20] for p in PROMPTS]
     simple_llm = make_llm(model_dir, False, **kw)

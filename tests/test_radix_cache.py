@@ -30,7 +30,7 @@ def cache_seq(alloc: PageAllocator, cache: RadixCache, tokens: list[int]) -> lis
 
 
 def test_empty_cache_matches_nothing():
-    alloc, cache = make()
+    _, cache = make()
     m = cache.match_prefix([1, 2, 3])
     assert (m.pages, m.num_tokens) == ([], 0)
     cache.lock(m.node)  # the root: no-op
@@ -229,12 +229,12 @@ PATTERNS = {
 }
 # A sequence is a prefix of one seen before (so that matches hit and paths grow deep)
 # followed by fresh pages and a tail that may leave a partial page.
-token_args = dict(
-    base=st.integers(0, 1000),
-    keep=st.integers(0, 8),
-    pattern_ids=st.lists(st.integers(0, 3), max_size=4),
-    tail=st.lists(st.integers(0, 3), max_size=3),
-)
+token_args = {
+    "base": st.integers(0, 1000),
+    "keep": st.integers(0, 8),
+    "pattern_ids": st.lists(st.integers(0, 3), max_size=4),
+    "tail": st.lists(st.integers(0, 3), max_size=3),
+}
 MAX_PAGES_PER_SEQ = 8
 
 

@@ -281,25 +281,35 @@ def test_torch_sampler_draws_only_allowed_words():
             assert tokens == x.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_sampler_with_bitmask_matches_torch(dtype):
-    """Under TRITON_INTERPRET=1 (conftest): the kernels with a bitmask give exactly the tokens
-    they give for logits masked beforehand in torch (same uniforms), greedy rows the masked
-    argmax, and never a disallowed word."""
-    pytest.importorskip("triton")
+def _interpreting() -> bool:
     import os
 
-    if os.environ.get("TRITON_INTERPRET", "0") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1")
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1")),
+        pytest.param("cuda", marks=pytest.mark.gpu),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_sampler_with_bitmask_matches_torch(device, dtype):
+    """CPU under TRITON_INTERPRET=1 (conftest) on tiny shapes, GPU on the LM head's shape: the
+    kernels with a bitmask give exactly the tokens they give for logits masked beforehand in
+    torch (same uniforms), greedy rows the masked argmax, and never a disallowed word."""
+    pytest.importorskip("triton")
     from nanoserve.kernels.sampling import fused_sample
 
-    rows, vocab = 5, 203
+    rows, vocab = (5, 203) if device == "cpu" else (64, 151936)
     mask, allowed = random_bitmask(rows, vocab, 1)
     x = torch.randn(rows, vocab).to(dtype)
-    temps = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.3])
+    temps = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.3] * (rows // 5) + [1.0] * (rows % 5))
+    mask_d, x_d, temps_d = mask.to(device), x.to(device), temps.to(device)
     for step in range(3):
-        got = fused_sample(x, temps, seed=4, step=step, bitmask=mask)
-        want = fused_sample(apply_token_bitmask(x.float(), mask), temps, seed=4, step=step)
+        got = fused_sample(x_d, temps_d, seed=4, step=step, bitmask=mask_d).cpu()
+        want = fused_sample(apply_token_bitmask(x_d.float(), mask_d), temps_d, seed=4, step=step).cpu()
         assert torch.equal(got, want), (got, want)
         assert all(allowed[i, t] for i, t in enumerate(got.tolist()))
     greedy = temps == 0

@@ -218,9 +218,7 @@ def test_shutdown_ends_workers_and_groups(model_dirs, teardown):
     from nanoserve.switches import KernelSwitches
 
     switches = KernelSwitches(tp_teardown=teardown)
-    llm = LLM(
-        str(model_dirs["llama"]), tensor_parallel_size=2, dist_timeout_s=TIMEOUT_S, switches=switches, **ENGINE
-    )
+    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, dist_timeout_s=TIMEOUT_S, switches=switches, **ENGINE)
     (pid,) = llm.engine.runner.worker_pids
     llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     started = time.monotonic()
@@ -578,7 +576,9 @@ def test_ll_all_reduce_rms_norm_kernel_interpreted(rank, dtype):
     recv[peer, : rows * per_row] = _words(parts[peer], 3)
     out, total = ll_all_reduce_rms_norm(parts[rank], dst, recv, epochs, rank, None, weight, eps)
     assert total.dtype == weight.dtype and torch.equal(total.float(), parts[0].float() + parts[1].float())
-    torch.testing.assert_close(out.float(), rms_norm_reference(total.float(), weight.float(), eps), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        out.float(), rms_norm_reference(total.float(), weight.float(), eps), rtol=1e-2, atol=1e-2
+    )
 
 
 @pytest.mark.skipif(

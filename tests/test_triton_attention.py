@@ -86,7 +86,7 @@ def make_case(
     q = q.view(total, num_q_heads, head_dim)
     k = k.view(total, num_kv_heads, head_dim)
     v = v.view(total, num_kv_heads, head_dim)
-    to = dict(device=device)
+    to = {"device": device}
     meta = AttentionMetadata(
         is_decode=decode,
         seq_lens=torch.tensor([p + n for p, n in reqs], dtype=torch.int32, **to),
@@ -236,7 +236,7 @@ def test_interp_engine_matches_torch_backend(tmp_path):
     from tests.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path / "qwen3", "qwen3")
-    args = dict(chunked_prefill_size=16, page_size=4)
+    args = {"chunked_prefill_size": 16, "page_size": 4}
     assert engine_tokens(path, "triton", "cpu", **args) == engine_tokens(path, "torch", "cpu", **args)
 
 
@@ -300,7 +300,9 @@ def test_fp8_cache(decode):
         reqs = [(n - 1, 1) for n in ragged(rng, 64, 1, 3000)]
     else:
         reqs = list(zip(ragged(rng, 8, 0, 2000), ragged(rng, 8, 1, 300)))
-    case = make_case(reqs, 16, 8, 128, 16, torch.bfloat16, "cuda", seed=22, decode=decode, cache_dtype=torch.float8_e4m3fn)
+    case = make_case(
+        reqs, 16, 8, 128, 16, torch.bfloat16, "cuda", seed=22, decode=decode, cache_dtype=torch.float8_e4m3fn
+    )
     check(case, tol=1e-2)
 
 
@@ -354,7 +356,13 @@ def test_engine_matches_torch_backend_on_gpu(tmp_path, page_size):
     from tests.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path / "llama", "llama")
-    args = dict(chunked_prefill_size=16, page_size=page_size, dtype="float32", kv_cache_tokens=4096, enforce_eager=True)
+    args = {
+        "chunked_prefill_size": 16,
+        "page_size": page_size,
+        "dtype": "float32",
+        "kv_cache_tokens": 4096,
+        "enforce_eager": True,
+    }
     assert engine_tokens(path, "triton", "cuda", **args) == engine_tokens(path, "torch", "cuda", **args)
 
 

@@ -125,7 +125,9 @@ def attention_reference(
     logits = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
     if causal_offset is not None:
         tq, tk = q.shape[0], k.shape[0]
-        allowed = torch.arange(tk, device=q.device)[None, :] <= causal_offset + torch.arange(tq, device=q.device)[:, None]
+        allowed = (
+            torch.arange(tk, device=q.device)[None, :] <= causal_offset + torch.arange(tq, device=q.device)[:, None]
+        )
         logits = logits.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", logits.softmax(-1), vf).to(q.dtype)
 
@@ -173,8 +175,16 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 @triton.jit
 def _attend_block(
-    q, k, v, m_i, l_i, acc, mask, scale_log2,
-    MASKED: tl.constexpr, DOT_F32: tl.constexpr,
+    q,
+    k,
+    v,
+    m_i,
+    l_i,
+    acc,
+    mask,
+    scale_log2,
+    MASKED: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """One online-softmax step of a [BLOCK_M, D] query tile over a [BLOCK_N, D] K/V block."""
     qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32) * scale_log2
@@ -191,8 +201,23 @@ def _attend_block(
 
 @triton.jit
 def _attend_pages(
-    q, m_i, l_i, acc, table, k_base, v_base, lo, hi, stride_kc_slot, stride_vc_slot, d, scale_log2,
-    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    q,
+    m_i,
+    l_i,
+    acc,
+    table,
+    k_base,
+    v_base,
+    lo,
+    hi,
+    stride_kc_slot,
+    stride_vc_slot,
+    d,
+    scale_log2,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     """Online softmax of a query tile over cache positions [lo, hi) of one request's pages
@@ -217,17 +242,29 @@ def _attend_pages(
         page = tl.load(table + ahead // PAGE_SIZE, mask=ahead < hi, other=0)
         k = _load_tile(k_base + slot[:, None] * stride_kc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
         v = _load_tile(v_base + slot[:, None] * stride_vc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
-        m_i, l_i, acc = _attend_block(
-            q, k, v, m_i, l_i, acc, n_mask[None, :], scale_log2, MASKED=True, DOT_F32=DOT_F32
-        )
+        m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, n_mask[None, :], scale_log2, MASKED=True, DOT_F32=DOT_F32)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _attend_rows(
-    q_ptr, q_rows, row_mask, table, k_base, v_base, lo, hi, stride_kc_slot, stride_vc_slot, scale_log2,
-    ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    q_ptr,
+    q_rows,
+    row_mask,
+    table,
+    k_base,
+    v_base,
+    lo,
+    hi,
+    stride_kc_slot,
+    stride_vc_slot,
+    scale_log2,
+    ROWS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """Attention of ROWS query rows (element offsets `q_rows` into q; rows off `row_mask` read
     zeros) over positions [lo, hi) of one page-table row. Returns the normalised output
@@ -253,11 +290,23 @@ def _attend_rows(
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kc_slot, stride_vc_slot,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, TO_FP8: tl.constexpr, USE_PDL: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kc_slot,
+    stride_vc_slot,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TO_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pdl_start(USE_PDL)  # launched early (nanoserve/triton_pdl.py): wait before reading anything
     t = tl.program_id(0)
@@ -295,12 +344,24 @@ def store_kv(
     kc_slot, _ = _flat_cache(k_cache)
     vc_slot, _ = _flat_cache(v_cache)
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kc_slot, vc_slot,
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        TO_FP8=k_cache.element_size() == 1, num_warps=4, **launch_options(k.device, pdl),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kc_slot,
+        vc_slot,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        TO_FP8=k_cache.element_size() == 1,
+        num_warps=4,
+        **launch_options(k.device, pdl),
     )
 
 
@@ -321,17 +382,38 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constex
 # engine is serving.
 @triton.jit(do_not_specialize=["stride_pt", "num_splits", "num_cols"])
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, kv_start_ptr,
-    out_ptr, part_ptr, lse_ptr,
-    stride_qt, stride_qh,
-    stride_kc_slot, stride_vc_slot,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    page_table_ptr,
+    seq_lens_ptr,
+    kv_start_ptr,
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kc_slot,
+    stride_vc_slot,
     stride_pt,
-    stride_ot, stride_oh,
-    num_splits, num_cols, scale_log2,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_SPLIT: tl.constexpr, DIRECT: tl.constexpr, HAS_START: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_PDL: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    num_cols,
+    scale_log2,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
+    DIRECT: tl.constexpr,
+    HAS_START: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
     pdl_start(USE_PDL)  # launched early (nanoserve/triton_pdl.py): wait before reading anything
 
@@ -362,7 +444,8 @@ def _decode_split_kernel(
     if DIRECT:
         tl.store(
             out_ptr + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=store_mask,
+            out.to(out_ptr.dtype.element_ty),
+            mask=store_mask,
         )
     else:
         # workspace rows: [B, num_q_heads, num_cols, (HEAD_DIM | 1)]; columns 0..num_splits-1
@@ -381,10 +464,23 @@ def _store_partial(part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, store_mas
 
 @triton.jit(do_not_specialize=["num_splits", "num_cols"])
 def _decode_reduce_kernel(
-    part_ptr, lse_ptr, seq_lens_ptr, kv_start_ptr, num_parts_ptr, out_ptr,
-    stride_ot, stride_oh, num_splits, num_cols,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_CASCADE: tl.constexpr,
+    part_ptr,
+    lse_ptr,
+    seq_lens_ptr,
+    kv_start_ptr,
+    num_parts_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    num_cols,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
+    HAS_CASCADE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_start(USE_PDL)  # launched early (nanoserve/triton_pdl.py): wait before reading anything
@@ -540,13 +636,34 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
 
 @triton.jit(do_not_specialize=["stride_pt", "num_m_blocks"])
 def _extend_kernel(
-    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    cu_q_ptr, prefix_lens_ptr, page_table_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kc_slot, stride_vc_slot, stride_pt, stride_ot, stride_oh,
-    num_m_blocks, scale_log2,
-    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_q_ptr,
+    prefix_lens_ptr,
+    page_table_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kc_slot,
+    stride_vc_slot,
+    stride_pt,
+    stride_ot,
+    stride_oh,
+    num_m_blocks,
+    scale_log2,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     # Heads vary fastest in launch order so that the group sharing a kv head runs together
@@ -568,8 +685,11 @@ def _extend_kernel(
         else:
             d_mask = d < HEAD_DIM
         rows = (q_start + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
-                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -606,8 +726,11 @@ def _extend_kernel(
             m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, mask, scale_log2, MASKED=True, DOT_F32=DOT_F32)
 
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+        tl.store(
+            out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
 
 
 def extend_config(head_dim: int) -> dict[str, int]:
@@ -642,29 +765,69 @@ def paged_extend(
     cfg = extend_config(head_dim)
     num_m_blocks = triton.cdiv(max_query_len, cfg["BLOCK_M"])
     _extend_kernel[(num_q_heads, num_reqs, num_m_blocks)](
-        q, k, v, k_cache, v_cache, out,
-        cu_query_lens, prefix_lens, page_table,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kc_slot, vc_slot, page_table.stride(0), out.stride(0), out.stride(1),
-        num_m_blocks, scale * LOG2E,
-        GROUP=num_q_heads // num_kv_heads, PAGE_SIZE=page_size,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_F32=DOT_F32,
-        num_warps=cfg["num_warps"], num_stages=_stages(cfg, q),
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        out,
+        cu_query_lens,
+        prefix_lens,
+        page_table,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kc_slot,
+        vc_slot,
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        num_m_blocks,
+        scale * LOG2E,
+        GROUP=num_q_heads // num_kv_heads,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        DOT_F32=DOT_F32,
+        num_warps=cfg["num_warps"],
+        num_stages=_stages(cfg, q),
     )
     return out
 
 
 # ---------------------------------------------------------------------- cascade (shared prefix)
 
+
 @triton.jit(do_not_specialize=["stride_pt", "num_splits", "num_cols"])
 def _cascade_prefix_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, items_ptr, members_ptr,
-    part_ptr, lse_ptr,
-    stride_qt, stride_qh, stride_kc_slot, stride_vc_slot, stride_pt,
-    num_splits, num_cols, scale_log2,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    page_table_ptr,
+    items_ptr,
+    members_ptr,
+    part_ptr,
+    lse_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kc_slot,
+    stride_vc_slot,
+    stride_pt,
+    num_splits,
+    num_cols,
+    scale_log2,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     # One program = one (work item, kv head). The rows of its query tile are every member's
@@ -691,4 +854,6 @@ def _cascade_prefix_kernel(
             scale_log2, BLOCK_M, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
         )  # fmt: skip
         row = (b * NUM_Q_HEADS + heads) * num_cols + col
-        _store_partial(part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, row_mask[:, None] & d_mask[None, :], HEAD_DIM)
+        _store_partial(
+            part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, row_mask[:, None] & d_mask[None, :], HEAD_DIM
+        )

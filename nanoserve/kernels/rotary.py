@@ -164,7 +164,9 @@ def qk_norm_rope(
         row = (num_k_heads * head_dim, head_dim, 1)
         dense = all(c.stride()[1:] == row and c.shape[2:] == k.shape[1:] for c in (k_cache, v_cache))
         if v.shape != k.shape or v.stride(2) != 1 or not dense:
-            raise ValueError("kv_store needs v shaped as k and caches [pages, page_size, Hk, D] dense in their last three dims")
+            raise ValueError(
+                "kv_store needs v shaped as k and caches [pages, page_size, Hk, D] dense in their last three dims"
+            )
     half = head_dim // 2
     block_h = min(4, triton.next_power_of_2(max(num_q_heads, num_k_heads)))
     q_blocks, k_blocks = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_k_heads, block_h)

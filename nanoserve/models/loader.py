@@ -43,7 +43,7 @@ def safetensors_checkpoint(directory: Path) -> Checkpoint:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
     for file in tqdm(files, desc="loading safetensors", disable=len(files) < 2):
         with safe_open(str(directory / file), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 -- a safetensors handle, not a dict
                 yield name, f.get_tensor(name)
 
 
