@@ -251,6 +251,36 @@ def test_tool_call_constraint_admits_only_calls(llm):
     assert_idle(llm)
 
 
+def test_batch_mask_fill_equals_one_at_a_time(llm):
+    """`fill_masks` (xgrammar's threads) writes the rows `fill_mask` writes, for matchers of
+    different grammars in different states."""
+    from nanoserve.structured.matcher import bitmask_words, fill_masks
+
+    service = llm.engine.grammar_service()
+    tok = llm.tokenizer
+    specs = [
+        StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+        StructuredOutputs(regex="(yes|no)[0-9]{2,4}"),
+        StructuredOutputs(choice=["red", "green", "blue"]),
+    ]
+    prefixes = ['{"a": 1', "yes1", "gr", "", '{"', "no"]
+    matchers = []
+    for i, prefix in enumerate(prefixes):
+        m = GrammarMatcher(service.compile(specs[i % 3] if prefix or i < 3 else specs[0]))
+        for t in tok.encode(prefix, add_special_tokens=False):
+            if not m.accept(t):
+                break
+        matchers.append(m)
+    words = bitmask_words(llm.engine.model_config.vocab_size)
+    one = torch.zeros(len(matchers), words, dtype=torch.int32)
+    for j, m in enumerate(matchers):
+        m.fill_mask(one, j)
+    batched = torch.zeros_like(one)
+    fill_masks(matchers, batched)
+    assert torch.equal(one, batched)
+    assert len({tuple(r.tolist()) for r in one}) > 3, "the states should allow different tokens"
+
+
 # ------------------------------------------------------------------ the bitmask in the sampler
 
 

@@ -52,7 +52,7 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler.request import Request
 from nanoserve.scheduler.scheduler import ScheduledBatch, Scheduler, pages_for
 from nanoserve.structured.compiler import GrammarError, GrammarService, PendingGrammar
-from nanoserve.structured.matcher import GrammarMatcher, bitmask_words
+from nanoserve.structured.matcher import GrammarMatcher, bitmask_words, fill_masks
 from nanoserve.switches import log_nondefault
 from nanoserve.tokenizer import load_tokenizer
 
@@ -399,8 +399,7 @@ class LLMEngine:
             size = max(len(rows), 2 * (host.shape[0] if host is not None else 8))
             host = torch.empty(size, words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
             self._mask_host = host
-        for j, i in enumerate(rows):
-            reqs[i].matcher.fill_mask(host, j)
+        fill_masks([reqs[i].matcher for i in rows], host)
         mask = torch.full((len(reqs), words), -1, dtype=torch.int32, device=self.device)
         if rows:
             mask[_on_device(rows, self.device)] = host[: len(rows)].to(self.device, non_blocking=True)
