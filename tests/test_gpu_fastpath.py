@@ -2,11 +2,13 @@
 
 Dummy qwen3-0.6b in bf16, greedy, 32 prompts x 64 tokens: {decode CUDA graphs + overlap
 loop} vs {eager, simple loop} vs {torch attention backend} vs Hugging Face transformers on
-the same weights. bf16 rounding differs between kernels, so runs may part ways at a near
-tie: at least 95% of prompts must be identical, and where two runs diverge each one's token
-must be within the other's top-5 at that position (top-5 from the engine's logprobs, or
-transformers' logits); up to the first divergence the top-5 logprobs agree (within one
-bf16 step for the same kernels, measured bit-equal). Padding to captured sizes (bs 3, 9,
+the same weights, in fp32 and bf16. fp32 is the sharp check: the fast path's greedy tokens
+equal transformers'. bf16 rounding differs between kernels, so runs part ways at near ties:
+the same kernels (graphs vs eager) must be identical; across kernels a bf16 run must stay as
+close to the fp32 output as its slow twin's bf16 does (mean common prefix within 10%), where
+two runs diverge each one's token must be within the other's top-5 at that position (top-5
+from the engine's logprobs, or transformers' logits), and up to the first divergence the
+top-5 logprobs agree within measured bounds. Padding to captured sizes (bs 3, 9,
 the largest graph, one more) equals eager; nothing leaks; the fused elementwise ops equal
 their plain versions; an fp8 KV cache gives the same tokens through the fast path as
 through the torch backend.
@@ -37,9 +39,9 @@ def make_prompts(num: int, seed: int = 0) -> list[list[int]]:
 PROMPTS = make_prompts(32)
 
 
-def make_llm(**kw) -> LLM:
+def make_llm(dtype: str = "bfloat16", **kw) -> LLM:
     return LLM(
-        MODEL, load_format="dummy", dtype="bfloat16", max_model_len=1024, kv_cache_tokens=131072, max_num_seqs=64, **kw
+        MODEL, load_format="dummy", dtype=dtype, max_model_len=1024, kv_cache_tokens=131072, max_num_seqs=64, **kw
     )
 
 
@@ -74,17 +76,19 @@ def run(llm: LLM, prompts, new=NEW):
 LOGPROB_TOL = 4.0
 SAME_KERNELS_TOL = 0.5
 FP8_VS_BF16_TOL = 8.0
+FP32_TOL = 0.1  # fp32 against transformers: summation order only
 
 
 def compare(a, b, what: str, min_identical: float = 0.95, logprob_tol: float = LOGPROB_TOL) -> float:
     """Greedy runs a and b: at every divergence each token is in the other's top-5 (the
     logprob gap is printed: logits are bf16, whose step is 0.25 at the dummy model's
-    largest logits); at least `min_identical` of the prompts identical; up to the first
-    divergence, the logprobs of tokens in both top-5s within `logprob_tol`."""
+    largest logits); at least `min_identical` of the prompts identical (0 across kernels,
+    whose bar is `assert_as_close_to_fp32`); up to the first divergence, the logprobs of
+    tokens in both top-5s within `logprob_tol`."""
     (ta, ka), (tb, kb) = a, b
     same, worst, compared = 0, 0.0, 0
     for i, (x, y) in enumerate(zip(ta, tb)):
-        j = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
+        j = common_prefix(x, y)
         compared += j
         for pos in range(min(j + 1, len(x))):
             worst = max([worst] + [abs(ka[i][pos][t] - kb[i][pos][t]) for t in ka[i][pos].keys() & kb[i][pos].keys()])
@@ -102,6 +106,26 @@ def compare(a, b, what: str, min_identical: float = 0.95, logprob_tol: float = L
     assert frac >= min_identical, f"{what}: only {same}/{len(ta)} prompts identical"
     assert worst <= logprob_tol, f"{what}: top-5 logprobs differ by {worst:.3f} before any divergence"
     return frac
+
+
+def common_prefix(x: list[int], y: list[int]) -> int:
+    return next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+
+
+def mean_common_prefix(ta: list[list[int]], tb: list[list[int]]) -> float:
+    return sum(common_prefix(x, y) for x, y in zip(ta, tb)) / len(ta)
+
+
+CLOSENESS_MARGIN = 0.9
+
+
+def assert_as_close_to_fp32(run, twin, fp32, what: str) -> None:
+    """The project's bf16 bar: `run` (a fast path in bf16) stays as close to the fp32 output
+    as `twin` (its slow twin, or transformers, in bf16) does: mean common prefix with fp32
+    at least 90% of the twin's."""
+    got, ref = mean_common_prefix(run[0], fp32[0]), mean_common_prefix(twin[0], fp32[0])
+    print(f"{what}: mean common prefix with fp32 {got:.2f} tokens, its twin's {ref:.2f} ({got / max(ref, 1e-9):.0%})")
+    assert got >= CLOSENESS_MARGIN * ref, f"{what}: {got:.2f} tokens of common prefix with fp32, twin {ref:.2f}"
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +151,17 @@ def results(fast, eager):
     out["torch"] = run(torch_llm, PROMPTS)
     del torch_llm
     out["hf"] = hf_reference(PROMPTS)
+    out["hf32"] = hf_reference(PROMPTS, torch.float32)
+    fast32 = make_llm(cuda_graph_max_bs=GRAPH_MAX_BS, dtype="float32")
+    out["fast32"] = run(fast32, PROMPTS)
+    del fast32
     return out
 
 
-def hf_reference(prompts):
+def hf_reference(prompts, dtype=torch.bfloat16):
     from nanoserve.models.hf_reference import hf_dummy_model
 
-    model = hf_dummy_model(MODEL, 0, "cuda", torch.bfloat16)
+    model = hf_dummy_model(MODEL, 0, "cuda", dtype)
     model.generation_config.eos_token_id = None  # ignore_eos, as the engine runs
     tokens, top5 = [None] * len(prompts), [None] * len(prompts)
     with torch.no_grad():
@@ -163,28 +191,30 @@ def test_graphs_overlap_vs_eager_simple(results):
     compare(results["fast"], results["eager"], "graphs+overlap vs eager+simple", logprob_tol=SAME_KERNELS_TOL)
 
 
-# Across different kernels (FA2/Triton vs SDPA vs transformers) bf16 logits tie exactly or
-# within one bf16 step at some positions, and greedy then follows either token. With the
-# earlier dummy weights (see above), on an H200: 26-30/32 (triton vs torch) and 26-27/32
-# (vs transformers) identical, divergences at logprob gaps of 0 to 1.5 (0-3 bf16 steps). Two
-# correct torch attentions (SDPA; an explicit fp32 softmax) agreed on 29-30/32 (117/128) only,
-# and every pair on 32/32 in fp32 (benchmarks/greedy_agreement.py), so the issue's 95% holds
-# for graphs+overlap vs eager (same kernels); across kernels this checks the near-tie property
-# and 75%. Today's weights tie far more often: on CPU in bf16 (nanoserve's torch backend vs
-# transformers, 16 prompts x 32 tokens) 0/16 outputs are identical (first divergence at token
-# 1 to 25, median 4.5, logprob gaps 0.25 to 2.0) against 16/16 with the earlier weights, and
-# 2/16 with qwen3-0.6b cut to 8 layers: expect this bound to fail until re-measured on the GPU.
-CROSS_KERNEL_MIN = 0.75
+# Across different kernels (Triton vs SDPA vs transformers) bf16 logits tie exactly or within
+# one bf16 step at some positions, and greedy then follows either token. With the dummy
+# weights before 2026-11-25 (outputs repeating one token) 26-30/32 prompts stayed identical;
+# with today's, whose outputs change at every step, near ties come at most prompts (on an
+# H200, 2026-11-25: triton vs torch attention 0/32 identical, vs transformers 1/32, every
+# divergence within the top-5), as transformers' own bf16 against its fp32 on real SmolLM2
+# weights (identical on 31% of prompts, ../shared/gpu/README.md). So across kernels the bar
+# is closeness to fp32, not identity: `assert_as_close_to_fp32`, plus the top-5 rule.
+
+
+def test_fp32_fast_path_equals_transformers(results):
+    compare(results["fast32"], results["hf32"], "fp32: graphs+overlap vs transformers", 1.0, FP32_TOL)
 
 
 def test_triton_vs_torch_backend(results):
-    compare(results["eager"], results["torch"], "triton vs torch attention", CROSS_KERNEL_MIN)
-    compare(results["fast"], results["torch"], "graphs+overlap vs torch attention", CROSS_KERNEL_MIN)
+    compare(results["eager"], results["torch"], "triton vs torch attention", 0.0)
+    compare(results["fast"], results["torch"], "graphs+overlap vs torch attention", 0.0)
+    assert_as_close_to_fp32(results["fast"], results["torch"], results["hf32"], "graphs+overlap vs torch attention")
 
 
 def test_vs_transformers(results):
-    compare(results["fast"], results["hf"], "graphs+overlap vs transformers", CROSS_KERNEL_MIN)
-    compare(results["torch"], results["hf"], "torch attention vs transformers", CROSS_KERNEL_MIN)
+    compare(results["fast"], results["hf"], "graphs+overlap vs transformers", 0.0)
+    compare(results["torch"], results["hf"], "torch attention vs transformers", 0.0)
+    assert_as_close_to_fp32(results["fast"], results["hf"], results["hf32"], "graphs+overlap vs transformers")
 
 
 def test_fp8_kv_cache(results):
@@ -198,7 +228,8 @@ def test_fp8_kv_cache(results):
     fp8_torch = make_llm(attention_backend="torch", enforce_eager=True, overlap_schedule=False, kv_cache_dtype="fp8")
     reference = run(fp8_torch, PROMPTS)
     del fp8_torch
-    compare(fast, reference, "fp8 cache: graphs+overlap vs torch attention", CROSS_KERNEL_MIN)
+    compare(fast, reference, "fp8 cache: graphs+overlap vs torch attention", 0.0)
+    assert_as_close_to_fp32(fast, reference, results["hf32"], "fp8 cache: graphs+overlap vs torch attention")
     compare(fast, results["fast"], "fp8 vs bf16 cache", 0.0, FP8_VS_BF16_TOL)
 
 
