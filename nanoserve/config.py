@@ -25,6 +25,9 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "hal
 # Triton and FA2 kernels read them from the projection), to cached positions as stored.
 _KV_DTYPES = {"fp8": torch.float8_e4m3fn}
 _KV_DTYPE_ALIASES = {"fp8_e4m3": "fp8", "float8_e4m3fn": "fp8"}
+SCHEDULE_POLICIES = ("prefill-first", "mixed")
+DEFAULT_SCHEDULE_POLICY = "prefill-first"  # to become "mixed" once GPU serving sweeps confirm it
+MIXED_STEP_TOKENS = 512  # default max_num_batched_tokens (see mixed_step_budget)
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,13 @@ class EngineConfig:
     page_size: int = 16
     chunked_prefill_size: int = 8192  # token budget of one prefill step
     max_num_seqs: int = 256
+    # "prefill-first": a step is a prefill batch or a decode batch, prefill first (the slow
+    # twin); "mixed": every running request decodes one token in each step, and prompt chunks
+    # fill the step up to its token budget (nanoserve/scheduler/scheduler.py).
+    schedule_policy: str = DEFAULT_SCHEDULE_POLICY
+    # mixed: the token budget of a step in which requests decode (their tokens count); a step
+    # with none decoding takes chunked_prefill_size prompt tokens. None: min(512, chunked_prefill_size).
+    max_num_batched_tokens: int | None = None
     memory_fraction: float = 0.9  # CUDA: share of free memory after weights for the KV cache
     kv_cache_tokens: int | None = None  # explicit KV capacity in tokens (default on CPU: 1 GiB)
     kv_cache_gib: float | None = None  # explicit KV capacity in GiB
@@ -85,6 +95,12 @@ class EngineConfig:
         need(self.page_size >= 1, "page_size", "must be >= 1")
         need(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        need(self.schedule_policy in SCHEDULE_POLICIES, "schedule_policy", f"must be one of {SCHEDULE_POLICIES}")
+        need(
+            self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            "must be >= 1",
+        )
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         need(0 < self.memory_fraction <= 1, "memory_fraction", "must be in (0, 1]")
         need(
@@ -138,6 +154,14 @@ class EngineConfig:
             return torch.float32  # CPU half-precision matmuls are slow and less exact
         return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("float16", "bfloat16") else torch.bfloat16
 
+    def mixed_step_budget(self) -> int:
+        """Tokens of a mixed step while requests decode (theirs included). The default is small
+        so that their next token is not held up long by prompt chunks (on an H200 a 2048-token
+        llama-3.1-8b chunk is ~40 ms), and never above the prefill budget."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return min(MIXED_STEP_TOKENS, self.chunked_prefill_size)
+
     def torch_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """What the KV cache stores, for a model computing in `model_dtype`."""
         return model_dtype if self.kv_cache_dtype == "auto" else _KV_DTYPES[self.kv_cache_dtype]
@@ -154,6 +178,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--chunked-prefill-size", type=int, default=8192)
     g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument(
+        "--schedule-policy",
+        default=DEFAULT_SCHEDULE_POLICY,
+        choices=list(SCHEDULE_POLICIES),
+        help="mixed: prompt chunks ride in decode steps; prefill-first: a step is all prefill or all decode",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"mixed: token budget of a step while requests decode (default min({MIXED_STEP_TOKENS}, "
+        "--chunked-prefill-size); with none decoding a step takes --chunked-prefill-size)",
+    )
     g.add_argument("--memory-fraction", type=float, default=0.9)
     g.add_argument("--kv-cache-tokens", type=int, default=None)
     g.add_argument("--kv-cache-gib", type=float, default=None)
@@ -189,6 +226,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size,
         chunked_prefill_size=args.chunked_prefill_size,
         max_num_seqs=args.max_num_seqs,
+        schedule_policy=getattr(args, "schedule_policy", DEFAULT_SCHEDULE_POLICY),
+        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
         memory_fraction=args.memory_fraction,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_gib=args.kv_cache_gib,
