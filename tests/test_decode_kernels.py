@@ -609,7 +609,7 @@ def test_gpu_engine_greedy_kernels_on_vs_off():
     from nanoserve.switches import KernelSwitches
     from tests.test_gpu_fastpath import assert_as_close_to_fp32, compare, make_prompts
 
-    prompts = make_prompts(16, seed=7)
+    prompts = make_prompts(48, seed=7)  # closeness to fp32 is a mean over prompts: 16 left it within noise
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     runs = {}
     for ops, dtype in ((True, "bfloat16"), (False, "bfloat16"), (False, "float32")):

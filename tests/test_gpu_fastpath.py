@@ -1,6 +1,6 @@
 """The GPU fast path end to end (run on a GPU with `pytest -m gpu tests/test_gpu_fastpath.py`).
 
-Dummy qwen3-0.6b in bf16, greedy, 32 prompts x 64 tokens: {decode CUDA graphs + overlap
+Dummy qwen3-0.6b in bf16, greedy, 96 prompts x 64 tokens: {decode CUDA graphs + overlap
 loop} vs {eager, simple loop} vs {torch attention backend} vs Hugging Face transformers on
 the same weights, in fp32 and bf16. fp32 is the sharp check: the fast path's greedy tokens
 equal transformers'. bf16 rounding differs between kernels, so runs part ways at near ties:
@@ -36,7 +36,7 @@ def make_prompts(num: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(20000) for _ in range(LENGTHS[i % len(LENGTHS)])] for i in range(num)]
 
 
-PROMPTS = make_prompts(32)
+PROMPTS = make_prompts(96)  # closeness to fp32 is a mean over prompts: 32 left it within noise
 
 
 def make_llm(dtype: str = "bfloat16", **kw) -> LLM:
