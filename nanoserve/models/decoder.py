@@ -1,5 +1,7 @@
 """One decoder for the Llama family (Llama 2/3/3.1, SmolLM2, dense Mistral), Qwen2 (bias
-on q/k/v) and Qwen3 (per-head RMSNorm on q and k).
+on q/k/v) and Qwen3 (per-head RMSNorm on q and k), and their mixture-of-experts kin
+(Mixtral, Qwen2-MoE, Qwen3-MoE), whose sparse layers take the MLP block of
+nanoserve/models/moe.py where `ModelConfig.is_moe_layer` says so.
 
 Owns: the `DecoderLM` module tree and the map from Hugging Face parameter names to ours.
 Parameter names follow Hugging Face's, except that q/k/v are merged into `qkv_proj` and
@@ -45,6 +47,8 @@ from nanoserve.models.layers import (
     silu_and_mul,
 )
 from nanoserve.models.model_config import ModelConfig
+from nanoserve.models.moe import SparseMoE
+from nanoserve.models.moe import checkpoint_target as moe_checkpoint_target
 from nanoserve.switches import KernelSwitches
 
 
@@ -124,7 +128,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.tp = tp
         self.self_attn = Attention(cfg, layer_id, tp)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = SparseMoE(cfg, tp) if cfg.is_moe_layer(layer_id) else MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -216,6 +220,10 @@ class DecoderLM(nn.Module):
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
+        if self.config.moe is not None:
+            target = moe_checkpoint_target(name)
+            if target is not None:
+                return target
         for src, dst, shard in (
             ("self_attn.q_proj", "self_attn.qkv_proj", "q"),
             ("self_attn.k_proj", "self_attn.qkv_proj", "k"),

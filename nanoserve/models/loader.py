@@ -25,6 +25,7 @@ from nanoserve.models import quantization as quant
 from nanoserve.models.decoder import DecoderLM
 from nanoserve.models.layers import ColumnParallelLinear, RowParallelLinear, init_unloaded
 from nanoserve.models.model_config import ModelConfig
+from nanoserve.models.moe import hf_moe_shapes
 from nanoserve.models.registry import ModelSource, gguf_metadata
 from nanoserve.switches import KernelSwitches
 
@@ -112,6 +113,9 @@ def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if cfg.is_moe_layer(i):
+            shapes |= hf_moe_shapes(cfg, p)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
@@ -180,9 +184,13 @@ def load_weights(model: DecoderLM, checkpoint: Checkpoint) -> None:
         loaded.add(name if shard is None else f"{name}:{shard}")
     needed = set()
     for name in expected:
-        module = model.get_submodule(name.rsplit(".", 1)[0])
+        prefix, leaf = name.rsplit(".", 1)
+        module = model.get_submodule(prefix)
         parts = getattr(module, "parts", None)
-        needed |= {f"{name}:{p.name}" for p in parts} if parts and parts[0].name else {name}
+        if hasattr(module, "expected_shards"):  # stacked MoE experts: one shard per expert and part
+            needed |= {f"{name}:{s}" for s in module.expected_shards(leaf)}
+        else:
+            needed |= {f"{name}:{p.name}" for p in parts} if parts and parts[0].name else {name}
     missing = needed - loaded
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
@@ -213,6 +221,11 @@ def build_model(
         )
     if scheme is not None and load_format == "dummy":
         scheme, online = None, quant.Fp8Scheme("online")  # random weights: quantized at load per channel
+    if cfg.moe is not None and (scheme or online) is not None:
+        raise quant.UnsupportedQuantization(
+            f"FP8 weights do not cover mixture-of-experts models yet ({cfg.model_type}): its experts would stay "
+            "unquantized; leave out --quantization or use an unquantized checkpoint"
+        )
     keep = device.type == "cuda" if keep_fp8 is None else keep_fp8
     fp8 = keep and (scheme or online) is not None
     previous = torch.get_default_dtype()

@@ -3,6 +3,11 @@
 Owns: `ModelConfig`, the one description of a decoder that the model, the weight loader
 and the KV cache read. Built from a config.json dict (transformers 4.x field names such as
 `rope_theta`/`rope_scaling`, or 5.x `rope_parameters`), whatever the source of the weights.
+
+Mixture-of-experts families (qwen3_moe, qwen2_moe, mixtral) fill `moe`; which layers are
+sparse is `is_moe_layer`, as Hugging Face decides it (Qwen: not in `mlp_only_layers` and
+(i + 1) a multiple of `decoder_sparse_step`; Mixtral: every layer). Dense layers of a MoE
+model use `intermediate_size`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,48 @@ _FAMILIES = {
     "mistral": ("llama", False, False),
     "qwen2": ("qwen2", True, False),
     "qwen3": ("qwen3", False, True),
+    "qwen2_moe": ("qwen2", True, False),
+    "qwen3_moe": ("qwen3", False, True),
+    "mixtral": ("llama", False, False),
 }
+_MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MLP blocks of a mixture-of-experts model."""
+
+    num_experts: int
+    top_k: int
+    renormalize: bool  # divide the top-k routing weights by their sum (Mixtral always does)
+    intermediate_size: int  # of each routed expert
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    every_layer: bool = False  # Mixtral: every layer is sparse, whatever the two fields above say
+
+    @staticmethod
+    def from_hf_dict(cfg: dict, model_type: str) -> MoEConfig:
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+        top_k = cfg.get("num_experts_per_tok")
+        if not experts or not top_k:
+            raise ValueError(f"{model_type} config lacks num_experts / num_experts_per_tok")
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
+        mixtral = model_type == "mixtral"
+        return MoEConfig(
+            num_experts=int(experts),
+            top_k=int(top_k),
+            renormalize=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+            intermediate_size=int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+            if model_type == "qwen2_moe"
+            else 0,
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+            every_layer=mixtral,
+        )
+
 
 _SUPPORTED_ROPE = ("default", "llama3", "linear")
 
@@ -41,6 +87,7 @@ class ModelConfig:
     torch_dtype: str | None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # None: a dense model
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
@@ -48,7 +95,8 @@ class ModelConfig:
         model_type = cfg.get("model_type", "")
         if model_type not in _FAMILIES:
             raise ValueError(
-                f"unsupported model_type {model_type!r}: nanoserve runs {sorted(_FAMILIES)} (Llama, Mistral, Qwen2, Qwen3)"
+                f"unsupported model_type {model_type!r}: nanoserve runs {sorted(_FAMILIES)} "
+                "(Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral)"
             )
         family, qkv_bias, qk_norm = _FAMILIES[model_type]
         if family == "llama":
@@ -59,7 +107,9 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         max_pos = cfg.get("max_position_embeddings", 4096)
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        window = (
+            cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type in ("mistral", "mixtral")) else None
+        )
         if window:
             # No sliding-window attention here: stay within the window, where full
             # attention computes the same thing.
@@ -86,8 +136,16 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=MoEConfig.from_hf_dict(cfg, model_type) if model_type in _MOE_TYPES else None,
             hf_config=dict(cfg),
         )
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is the sparse mixture-of-experts block."""
+        m = self.moe
+        if m is None:
+            return False
+        return m.every_layer or (i not in m.mlp_only_layers and (i + 1) % m.decoder_sparse_step == 0)
 
     def with_eos(self, eos_ids) -> ModelConfig:
         merged = tuple(dict.fromkeys([*self.eos_token_ids, *eos_ids]))

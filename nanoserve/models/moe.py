@@ -1,0 +1,220 @@
+"""The sparse mixture-of-experts MLP block (Qwen3-MoE, Qwen2-MoE, Mixtral).
+
+Owns: `SparseMoE` (router, routed experts stacked in two tensors, Qwen2-MoE's gated shared
+expert) and the map from a checkpoint's per-expert tensors to the stacked ones.
+
+Layout: every expert's gate and up rows are stacked into `experts.w13` [E, 2*I, H] (gate rows
+first, then up rows) and its down projection into `experts.w2` [E, H, I], so that one grouped
+kernel (nanoserve/kernels/moe.py) reads any expert by index. Checkpoint tensors arrive one
+expert at a time (`shard_id` "gate:e", "up:e", "down:e") and are written into their expert's
+rows as they stream in.
+
+Tensor parallelism (rank r of N): every rank holds a slice of every expert along the
+intermediate dimension, rows [r*I/N, (r+1)*I/N) of gate and up and the same columns of down,
+so silu(gate)*up is computed on the rank's own slice and the down product gives this rank's
+partial sums. The router is replicated (every rank routes every token the same way), so the
+block's output is a partial sum exactly like a dense MLP's, summed by the RMSNorm after it
+(`reduce_over`, fused where symmetric memory allows). Qwen2-MoE's shared expert is sharded the
+same way; its sigmoid gate is replicated and scales the partial sums, which is linear.
+Invariant: the block's output is this rank's partial sums [T, H] in the hidden dtype, never
+SplitKPartials (the routed and shared outputs are added before the norm sees them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.distributed import SINGLE, TPGroup
+from nanoserve.models.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    RowSlice,
+    _shard,
+    _SwitchedLayer,
+    linear,
+    silu_and_mul,
+)
+from nanoserve.models.model_config import ModelConfig
+
+MLP_REDUCE_SLOT = 1  # the symmetric-memory slot a dense MLP's down projection writes (decoder.MLP)
+
+
+def _route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, k], expert ids int32 [T, k]): softmax over the experts in fp32, the k
+    largest, divided by their sum when `renormalize` (as Hugging Face routes)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def _moe_reference(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """sum_k w_k * down_e(silu(gate_e x) * up_e x) for every token x of hidden [T, H], e =
+    topk_ids[t, k]: a loop over the experts that tokens chose (the CPU path)."""
+    out = torch.zeros_like(hidden)
+    inter = w2.shape[2]
+    ids = topk_ids.long()
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        gate, up = F.linear(hidden[token], w13[e]).split(inter, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[token, slot, None].to(hidden.dtype)
+        out.index_add_(0, token, y)
+    return out
+
+
+class Router(nn.Module):
+    """A replicated [outputs, H] projection without bias (the router, the shared expert's
+    gate): every rank holds it whole, so every rank computes the same logits."""
+
+    def __init__(self, hidden_size: int, outputs: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(outputs, hidden_size))
+
+
+class StackedExperts(nn.Module):
+    """The routed experts' weights, stacked: w13 [E, 2*I/N, H], w2 [E, H, I/N] (module docstring)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup):
+        super().__init__()
+        self.num_experts = num_experts
+        self.rank = tp.rank
+        self.shard = _shard(intermediate_size, tp, "expert intermediate size")
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard))
+        self.w13.weight_loader = self._load_w13
+        self.w2.weight_loader = self._load_w2
+
+    def expected_shards(self, leaf: str) -> list[str]:
+        """The shard ids a checkpoint must deliver for parameter `leaf` (the loader checks)."""
+        parts = ("gate", "up") if leaf == "w13" else ("down",)
+        return [f"{p}:{e}" for e in range(self.num_experts) for p in parts]
+
+    def _expert(self, shard_id: str | None, parts: tuple[str, ...]) -> tuple[str, int]:
+        part, _, expert = (shard_id or "").partition(":")
+        if part not in parts or not expert.isdigit() or int(expert) >= self.num_experts:
+            raise KeyError(f"no expert shard {shard_id!r} here ({self.num_experts} experts, parts {parts})")
+        return part, int(expert)
+
+    def _load_w13(self, param: nn.Parameter, full: torch.Tensor, shard_id: str | None) -> None:
+        part, e = self._expert(shard_id, ("gate", "up"))
+        s = self.shard
+        rows = full[self.rank * s : (self.rank + 1) * s]
+        dst = param.data[e, :s] if part == "gate" else param.data[e, s:]
+        _copy(dst, rows, shard_id)
+
+    def _load_w2(self, param: nn.Parameter, full: torch.Tensor, shard_id: str | None) -> None:
+        _, e = self._expert(shard_id, ("down",))
+        s = self.shard
+        _copy(param.data[e], full[:, self.rank * s : (self.rank + 1) * s], shard_id)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, what: str | None) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"expert tensor {what}: checkpoint slice {tuple(src.shape)}, model {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class SharedExpert(_SwitchedLayer):
+    """Qwen2-MoE's shared expert: a dense SiLU MLP sharded as decoder.MLP, whose down product
+    returns plain partial sums (added to the routed experts' before the norm sums them)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
+        super().__init__()
+        parts = [RowSlice.split(name, intermediate_size, tp) for name in ("gate", "up")]
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, parts, bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(silu_and_mul(self.gate_up_proj(x), self.switches), self.down_proj.weight, switches=self.switches)
+
+
+class SparseMoE(_SwitchedLayer):
+    """Router top-k over E experts, the chosen experts' SiLU MLPs weighted and summed, plus
+    (Qwen2-MoE) sigmoid(shared_expert_gate x) * shared_expert(x). Returns this rank's
+    partial sums [T, H] (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
+        super().__init__()
+        moe = cfg.moe
+        self.tp = tp
+        self.top_k = moe.top_k
+        self.renormalize = moe.renormalize
+        self.gate = Router(cfg.hidden_size, moe.num_experts)
+        self.experts = StackedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp)
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(cfg.hidden_size, moe.shared_expert_intermediate_size, tp)
+            self.shared_expert_gate = Router(cfg.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        switches = self.switches
+        logits = linear(x, self.gate.weight, switches=switches)
+        weights, ids = _route_reference(logits, self.top_k, self.renormalize)
+        out = _moe_reference(x, self.experts.w13, self.experts.w2, weights, ids)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight, switches=switches))
+            out = out + gate * self.shared_expert(x)
+        # Under TP on CUDA, land the partial sums where the next norm's fused all-reduce reads them.
+        slot = self.tp.partial_out(out.shape[0], out.shape[1], out.dtype, MLP_REDUCE_SLOT)
+        return out if slot is None else slot.copy_(out)
+
+
+def checkpoint_target(name: str) -> tuple[str, str | None] | None:
+    """(our parameter name, shard id) for a MoE checkpoint tensor name (without "model."),
+    or None when `name` is not a MoE block's tensor. Qwen: mlp.gate, mlp.experts.{e}.
+    gate_proj/up_proj/down_proj, mlp.shared_expert.*, mlp.shared_expert_gate; Mixtral:
+    block_sparse_moe.gate and block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2 (down)."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    head, sep, rest = name.partition(".mlp.experts.")
+    if sep:
+        expert, _, proj = rest.partition(".")
+        part = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+        kind = proj.removesuffix(".weight")
+        if not expert.isdigit() or kind not in part or not proj.endswith(".weight"):
+            raise KeyError(f"unknown expert tensor {name!r}")
+        leaf = "w2" if part[kind] == "down" else "w13"
+        return f"{head}.mlp.experts.{leaf}", f"{part[kind]}:{expert}"
+    for src, shard in (("mlp.shared_expert.gate_proj", "gate"), ("mlp.shared_expert.up_proj", "up")):
+        if src in name:
+            return name.replace(src, "mlp.shared_expert.gate_up_proj"), shard
+    if ".mlp.gate." in name or ".mlp.shared_expert" in name:
+        return name, None
+    return None
+
+
+def hf_moe_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The checkpoint tensors (Hugging Face names, per expert) of a sparse layer's block."""
+    moe, h = cfg.moe, cfg.hidden_size
+    i, e = moe.intermediate_size, moe.num_experts
+    if cfg.model_type == "mixtral":  # Mixtral's names
+        p = prefix + "block_sparse_moe."
+        shapes = {p + "gate.weight": (e, h)}
+        for x in range(e):
+            shapes |= {
+                f"{p}experts.{x}.w1.weight": (i, h),
+                f"{p}experts.{x}.w3.weight": (i, h),
+                f"{p}experts.{x}.w2.weight": (h, i),
+            }
+        return shapes
+    p = prefix + "mlp."
+    shapes = {p + "gate.weight": (e, h)}
+    for x in range(e):
+        shapes |= {
+            f"{p}experts.{x}.gate_proj.weight": (i, h),
+            f"{p}experts.{x}.up_proj.weight": (i, h),
+            f"{p}experts.{x}.down_proj.weight": (h, i),
+        }
+    s = moe.shared_expert_intermediate_size
+    if s:
+        shapes |= {
+            p + "shared_expert.gate_proj.weight": (s, h),
+            p + "shared_expert.up_proj.weight": (s, h),
+            p + "shared_expert.down_proj.weight": (h, s),
+            p + "shared_expert_gate.weight": (1, h),
+        }
+    return shapes
