@@ -2,9 +2,11 @@
 128-token prompt and 256 output tokens (greedy, ignore_eos), on dummy weights, against the
 weights-bandwidth floor (weight bytes / device-to-device copy bandwidth of this run). Weight
 bytes are the parameters as stored: with --quantization fp8 the linears count one byte per
-weight plus their fp32 scales (embedding and LM head stay bf16).
+weight plus their fp32 scales (embedding and LM head stay bf16). Mixture-of-experts models
+(qwen3-30b-a3b, mixtral-8x7b): the floor counts the top-k experts of each sparse layer
+(the batch-1 case of E * (1 - (1 - k/E)^B)), the rest of the weights in full.
 
-    python benchmarks/latency.py [--models qwen3-0.6b llama-3.1-8b] [--repeats 3] [--triton-ops off on] [--quantization fp8]
+    python benchmarks/latency.py [--models qwen3-0.6b llama-3.1-8b qwen3-30b-a3b mixtral-8x7b] [--repeats 3] [--triton-ops off on] [--quantization fp8]
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offline_throughput import copy_bandwidth, device_name, weight_bytes
+from offline_throughput import copy_bandwidth, device_name, step_weight_bytes, weight_bytes
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.switches import KernelSwitches
@@ -96,7 +98,8 @@ def main() -> None:
         runs = [one_run(engine, prompt, f"r{i}") for i in range(args.repeats)]
         ttft = statistics.median(r[0] for r in runs)
         tpot = statistics.median(r[1] for r in runs)
-        floor = wbytes / bw
+        active = step_weight_bytes(engine.runner.model, 1)  # MoE: only the top-k experts of each layer
+        floor = active / bw
         graph_ms = batch1_graph_ms(engine)
         stats = llm.stats()
         leak_free = stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
@@ -105,7 +108,8 @@ def main() -> None:
             f"{args.quantization or 'unquantized'}), graphs "
             f"{'off' if engine.runner.graphs is None else 'on'}, overlap {'on' if engine.overlap else 'off'}, "
             f"Triton decode kernels {ops} | "
-            f"TTFT {ttft * 1e3:.2f} ms | TPOT {tpot * 1e3:.3f} ms (graph replay alone {graph_ms:.3f} ms) | weights {wbytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s "
+            f"TTFT {ttft * 1e3:.2f} ms | TPOT {tpot * 1e3:.3f} ms (graph replay alone {graph_ms:.3f} ms) | weights {wbytes / 1e9:.2f} GB"
+            f"{'' if active == wbytes else f', read per token {active / 1e9:.2f} GB'} at {bw / 1e12:.2f} TB/s "
             f"-> floor {floor * 1e3:.3f} ms/token, TPOT = {floor / tpot:.0%} of floor | runs {[(round(a * 1e3, 2), round(b * 1e3, 3)) for a, b in runs]} "
             f"| no leaks: {leak_free}",
             flush=True,

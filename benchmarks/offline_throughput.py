@@ -9,7 +9,10 @@ device-to-device copy bandwidth measured in this run (bytes read + written):
     floor = (weight bytes x decode steps + KV bytes read) / copy bandwidth
 with decode steps = the longest max_tokens, KV bytes read = sum over sequences and their
 decode steps of the context length x KV bytes per token. Weight bytes are the parameters as
-stored (--quantization fp8: one byte per linear weight plus fp32 scales).
+stored (--quantization fp8: one byte per linear weight plus fp32 scales). Mixture-of-experts
+models: a step of B sequences reads E * (1 - (1 - k/E)^B) distinct experts per sparse layer
+(the expected count under uniform routing), the rest of the weights in full, and step s
+decodes the sequences with more than s output tokens.
 
     python benchmarks/offline_throughput.py [--model qwen3-0.6b] [--peer hf]
 """
@@ -25,6 +28,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.kvcache.pool import KVCache
+from nanoserve.models.moe import SparseMoE
 
 NUM_SEQS = 256
 EXPECTED_PROMPT_TOKENS = 142_827
@@ -77,6 +81,33 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Expected number of distinct experts that `batch` tokens, each routed uniformly to
+    `top_k` of `num_experts`, read: E * (1 - (1 - k/E)^B)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** batch)
+
+
+def step_weight_bytes(model: torch.nn.Module, batch: int) -> float:
+    """Weight bytes a decode step of `batch` sequences must read: every parameter once, except
+    the routed experts of MoE layers, of which only the expected distinct experts
+    (`expected_experts`); attention, embedding, LM head, routers and shared experts in full.
+    For a dense model: weight_bytes(model)."""
+    total = float(weight_bytes(model))
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            w13, w2 = module.experts.w13, module.experts.w2
+            e = w13.shape[0]
+            per_expert = (w13.numel() * w13.element_size() + w2.numel() * w2.element_size()) / e
+            total -= per_expert * (e - expected_experts(e, module.top_k, batch))
+    return total
+
+
+def decode_weight_bytes(model: torch.nn.Module, max_tokens: list[int]) -> float:
+    """Weight bytes of every decode step when all sequences run together: step s decodes the
+    sequences with more than s output tokens (a dense model: weight bytes x the longest)."""
+    return sum(step_weight_bytes(model, sum(m > s for m in max_tokens)) for s in range(max(max_tokens)))
 
 
 def device_name(device: torch.device) -> str:
@@ -261,7 +292,8 @@ def main() -> None:
     )
     steps = max(max_tokens)
     kv_read = sum(sum(range(p, p + m)) for p, m in zip(map(len, prompts), max_tokens)) * kv_per_token
-    floor = (wbytes * steps + kv_read) / bw
+    step_bytes = decode_weight_bytes(engine.runner.model, max_tokens)  # MoE: the experts each step reads
+    floor = (step_bytes + kv_read) / bw
     graphs = engine.runner.graphs
     print(f"device: {device_name(device)}")
     print(
@@ -276,7 +308,9 @@ def main() -> None:
         f"elapsed {elapsed:.2f} s | output {total_out / elapsed:,.0f} tok/s | total {(total_prompt + total_out) / elapsed:,.0f} tok/s"
     )
     print(
-        f"floor: weights {wbytes / 1e9:.3f} GB x {steps} steps = {wbytes * steps / 1e12:.2f} TB + KV reads {kv_read / 1e12:.2f} TB "
+        f"floor: weights {wbytes / 1e9:.3f} GB, read over {steps} steps {step_bytes / 1e12:.2f} TB"
+        f"{'' if cfg.moe is None else f' (MoE: expected distinct experts per step, {step_bytes / (wbytes * steps):.1%} of all weights x steps)'}"
+        f" + KV reads {kv_read / 1e12:.2f} TB "
         f"at copy {bw / 1e12:.2f} TB/s = {floor:.2f} s -> {floor / elapsed:.1%} of the floor"
     )
     kv_tokens = (engine.allocator.num_usable) * stats["page_size"]
