@@ -32,6 +32,8 @@ _BASE = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 1024,
     "initializer_range": 0.1,
+    "rms_norm_eps": 1e-6,  # explicit: the families' defaults differ (Mixtral's 1e-5, rope_theta 1e6)
+    "rope_theta": 10000.0,
     "tie_word_embeddings": False,
     "eos_token_id": None,
     "bos_token_id": None,
@@ -334,3 +336,35 @@ def test_gpu_bf16_graphs_equal_eager(moe_models, arch):
         assert_idle(llm)
         del llm
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_dummy_weights_in_transformers_layout(tmp_path, arch):
+    """The dummy checkpoint, put in transformers' layout (stacked experts in transformers >= 5,
+    as hf_reference does for the GPU tests and the benchmark's peer), loads with nothing
+    missing or unexpected and gives the engine's greedy tokens on the same dummy weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nanoserve.models.hf_reference import _as_hf_layout
+
+    spec = moe_config(arch)
+    (tmp_path / "config.json").write_text(json.dumps(spec))
+    cfg = ModelConfig.from_hf_dict(spec)
+    hf_spec = dict(spec)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(hf_spec.pop("model_type"), **hf_spec), dtype=torch.float32
+    )
+    state = _as_hf_layout(dict(dummy_checkpoint(cfg, 0, torch.device("cpu"), torch.float32)), model)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing[:4], unexpected[:4])
+    model.eval()
+    prompts = PROMPTS[:3]
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+            want.append(gen[0, len(p) :].tolist())
+    llm = LLM(str(tmp_path), device="cpu", load_format="dummy", dtype="float32", seed=0)
+    assert generate(llm, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) == want
+    assert_idle(llm)
