@@ -77,6 +77,7 @@ def reference_prepare(runner, batch, sample_rows) -> dict:
         "max_query_len": max(batch.num_new_tokens),
         "max_seq_len": max(seq_lens),
         "cascade": None,  # the torch backend: no cascade plan (tests/test_cascade.py covers it)
+        "num_decode_rows": 0 if batch.is_decode else batch.num_decodes,  # a mixed batch's decode rows
         "graph_bs": graph_bs,
         "num_reqs": num_reqs,
         "req_slots": torch.tensor([r.slot for r in batch.requests]),
@@ -113,7 +114,7 @@ def check_every_prepare(llm: LLM) -> dict:
     """Make the runner compare each prepare with the reference; returns counters."""
     runner = llm.engine.runner
     real = runner.prepare
-    seen = {"steps": 0, "graph": 0, "extend": 0, "pending": 0}
+    seen = {"steps": 0, "graph": 0, "extend": 0, "pending": 0, "mixed": 0}
 
     def checked(batch, sample_rows):
         want = reference_prepare(runner, batch, sample_rows)  # before prepare: same state
@@ -123,6 +124,7 @@ def check_every_prepare(llm: LLM) -> dict:
         seen["graph"] += got.graph_bs is not None
         seen["extend"] += any(r.num_computed > 0 for r in batch.requests) and not batch.is_decode
         seen["pending"] += any(r.token_ids[-1] < 0 for r in batch.requests)
+        seen["mixed"] += not batch.is_decode and batch.num_decodes > 0
         return got
 
     runner.prepare = checked
@@ -234,13 +236,15 @@ def drive(llm: LLM, work, check: bool = True) -> dict:
     return got
 
 
+@pytest.mark.parametrize("policy", ["prefill-first", "mixed"])
 @pytest.mark.parametrize("graphs_bs", [0, 4])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_prepare_equals_reference_on_random_runs(model_dir, overlap, graphs_bs, seed):
-    # 4-token pages, a small KV cache (preemption), a 24-token prefill budget (chunks), 6 slots.
+def test_prepare_equals_reference_on_random_runs(model_dir, overlap, graphs_bs, seed, policy):
+    # 4-token pages, a small KV cache (preemption), a 24-token prefill budget (chunks), 6 slots;
+    # mixed: steps of 12 tokens while requests decode.
     kw = {"page_size": 4, "kv_cache_tokens": 20 * 4, "chunked_prefill_size": 24, "max_num_seqs": 6, "max_model_len": 64}
-    llm = make_llm(model_dir, overlap, graphs_bs, **kw)
+    llm = make_llm(model_dir, overlap, graphs_bs, schedule_policy=policy, max_num_batched_tokens=12, **kw)
     seen = check_every_prepare(llm)
     work = random_workload(seed)
     got = drive(llm, work)
@@ -253,6 +257,7 @@ def test_prepare_equals_reference_on_random_runs(model_dir, overlap, graphs_bs, 
     assert seen["extend"] > 0 and seen["steps"] > 20, seen
     assert (seen["graph"] > 0) == (graphs_bs > 0), seen
     assert (seen["pending"] > 0) == overlap, seen
+    assert (seen["mixed"] > 0) == (policy == "mixed"), seen
 
 
 def test_emulated_graphs_same_greedy_tokens(model_dir):

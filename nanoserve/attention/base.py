@@ -18,6 +18,9 @@ Invariants of a batch's metadata (B requests, T new tokens in all):
   `kv_stored`, already by whoever produced them through the layer's `KVSink` (the model's
   rotary kernel on CUDA, which saves a launch per layer);
 - in a decode batch every request has exactly one new token (T == B);
+- a mixed batch (`num_decode_rows` = k > 0, not `is_decode`) starts with k decode rows (one
+  new token each, so q rows 0..k-1); a backend may run them through its decode path and the
+  rest through its extend path (`split_decode_rows`), one output either way;
 - `cascade` (decode only, optional) groups requests that share a prefix of pages; it
   changes how attention is computed, never its result (see nanoserve.attention.cascade).
 """
@@ -47,10 +50,43 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     cascade: CascadeInputs | None = None
+    num_decode_rows: int = 0  # mixed batch: leading rows that decode one token each
 
     @property
     def num_requests(self) -> int:
         return len(self.seq_lens_host)
+
+    def split_decode_rows(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """A mixed batch's metadata as a decode batch of its first `num_decode_rows` rows and
+        an extend batch of the rest (their tokens start at q row k). One small device op: the
+        extend part's query offsets, shifted by k."""
+        k = self.num_decode_rows
+        decode_seq = self.seq_lens_host[:k]
+        decode = AttentionMetadata(
+            is_decode=True,
+            seq_lens=self.seq_lens[:k],
+            prefix_lens=self.prefix_lens[:k],
+            cu_query_lens=self.cu_query_lens[: k + 1],
+            page_table=self.page_table[:k],
+            slot_mapping=self.slot_mapping[:k],
+            seq_lens_host=decode_seq,
+            prefix_lens_host=self.prefix_lens_host[:k],
+            max_query_len=1,
+            max_seq_len=max(decode_seq),
+        )
+        extend = AttentionMetadata(
+            is_decode=False,
+            seq_lens=self.seq_lens[k:],
+            prefix_lens=self.prefix_lens[k:],
+            cu_query_lens=self.cu_query_lens[k:] - k,
+            page_table=self.page_table[k:],
+            slot_mapping=self.slot_mapping[k:],
+            seq_lens_host=self.seq_lens_host[k:],
+            prefix_lens_host=self.prefix_lens_host[k:],
+            max_query_len=self.max_query_len,
+            max_seq_len=max(self.seq_lens_host[k:]),
+        )
+        return decode, extend
 
 
 class AttentionBackend(ABC):

@@ -54,11 +54,14 @@ class TorchAttentionBackend(AttentionBackend):
         if k_cache.dtype != q.dtype and not meta.is_decode:
             # A narrower cache (fp8): a prefill's new tokens attend to each other's K/V as
             # computed, before the cache's rounding, as the Triton and FA2 kernels do.
+            # A mixed batch's decode rows read their own K/V from the cache, as a decode step does.
+            first = meta.num_decode_rows
             if self._new_keys is None:  # (request, key position) of each new token, once per batch
                 rows, offsets = self._valid_q.nonzero(as_tuple=True)
+                rows, offsets = rows[first:], offsets[first:]  # rows in q order: decode rows first
                 self._new_keys = (rows, meta.prefix_lens.long()[rows] + offsets)
-            keys[self._new_keys] = k
-            values[self._new_keys] = v
+            keys[self._new_keys] = k[first:]
+            values[self._new_keys] = v[first:]
         keys = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, S, D]
         values = values.transpose(1, 2).repeat_interleave(group, dim=1)
         padded_q = q.new_zeros(num_reqs, max_q, num_q_heads, head_dim)

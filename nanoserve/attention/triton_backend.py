@@ -2,7 +2,8 @@
 
 Owns: the choice of kernel per batch (decode, cascade decode when the metadata carries a
 cascade plan, extend with prefix, FA2 for prefix-free prefill), the decode split count, and
-the decode workspace.
+the decode workspace. A mixed batch runs two calls per layer on row slices into one output:
+its decode rows through the decode kernel, its prompt rows through extend (or FA2).
 
 Invariants:
 - `prepare(meta)` reads host ints only (batch size, max lengths, whether any prefix exists)
@@ -53,6 +54,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_sms: dict[torch.device, int] = {}
         self._num_splits = 1
         self._no_prefix = False
+        # A mixed batch prepared: (its metadata, that of its decode rows, that of the rest).
+        self._mixed: tuple[AttentionMetadata, AttentionMetadata, AttentionMetadata] | None = None
 
     # ------------------------------------------------------------------ per-batch state
 
@@ -70,7 +73,13 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         # Host-side decisions only. The decode split count needs the kv-head count, known at
         # forward; it is computed there from host ints (B, meta.max_seq_len), no data read.
-        self._no_prefix = not any(meta.prefix_lens_host)
+        k = meta.num_decode_rows
+        if 0 < k < meta.num_requests and not meta.is_decode:
+            self._mixed = (meta, *meta.split_decode_rows())  # once per batch, not per layer
+            self._no_prefix = not any(meta.prefix_lens_host[k:])
+        else:
+            self._mixed = None
+            self._no_prefix = not any(meta.prefix_lens_host)
 
     def reserve_decode_workspace(
         self,
@@ -124,6 +133,18 @@ class TritonAttentionBackend(AttentionBackend):
         preallocated result buffer (tests poison it to catch unwritten elements)."""
         if not kv_stored:
             tk.store_kv(k_cache, v_cache, k, v, meta.slot_mapping, pdl=self.switches.pdl)
+        if self._mixed is not None and self._mixed[0] is meta:
+            _, decode, extend = self._mixed
+            n = decode.num_requests
+            if out is None:
+                out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            self._attend(q[:n], k[:n], v[:n], k_cache, v_cache, decode, scale, out[:n])
+            self._attend(q[n:], k[n:], v[n:], k_cache, v_cache, extend, scale, out[n:])
+            return out
+        return self._attend(q, k, v, k_cache, v_cache, meta, scale, out)
+
+    def _attend(self, q, k, v, k_cache, v_cache, meta, scale, out: torch.Tensor | None) -> torch.Tensor:
+        """Attention of one decode or extend batch over the cache, K/V already stored."""
         if not meta.is_decode and self._no_prefix and self.use_fa2 and q.is_cuda and q.dtype in _FA2_DTYPES:
             result = _fa2_varlen(q, k, v, meta, scale)
             return result if out is None else out.copy_(result)

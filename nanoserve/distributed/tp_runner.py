@@ -117,6 +117,7 @@ class StepHeader(NamedTuple):
     table_width: int = 0  # page-table columns
     logit_rows: int = -1  # R: rows projected to logits; -1: all (ForwardInputs.logit_rows None)
     is_decode: int = 0
+    num_decode_rows: int = 0  # mixed batch: leading decode rows (AttentionMetadata.num_decode_rows)
     max_query_len: int = 0
     max_seq_len: int = 0
     num_reqs: int = 0  # ForwardInputs.num_reqs: real requests, padding excluded
@@ -150,6 +151,7 @@ def pack_step(
         table_width=meta.page_table.shape[1],
         logit_rows=-1 if rows is None else rows.numel(),
         is_decode=int(meta.is_decode),
+        num_decode_rows=meta.num_decode_rows,
         max_query_len=meta.max_query_len,
         max_seq_len=meta.max_seq_len,
         num_reqs=inputs.num_reqs,
@@ -182,6 +184,7 @@ def unpack_step(h: StepHeader, host: list[int], payload: torch.Tensor) -> Forwar
     n = h.host_reqs
     meta = AttentionMetadata(
         is_decode=bool(h.is_decode),
+        num_decode_rows=h.num_decode_rows,
         seq_lens=seq,
         prefix_lens=pre,
         cu_query_lens=cu,

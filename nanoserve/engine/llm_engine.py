@@ -108,6 +108,7 @@ class LLMEngine:
             copy_page=self.runner.kv_cache.copy_page,
             page_table=PageTable(config.max_num_seqs, pages_for(self.max_model_len, plan.page_size)),
             prefix_cache=self.prefix_cache,
+            mixed_budget=config.mixed_step_budget() if config.schedule_policy == "mixed" else None,
         )
         self.sampler = Sampler(
             self.device, config.seed, fused=config.switches.fused_sampler and self.device.type == "cuda"

@@ -294,6 +294,7 @@ class ModelRunner:
             prefix_lens_host=prefix_host,
             max_query_len=max(counts),
             max_seq_len=max_seq,
+            num_decode_rows=batch.num_decodes if not batch.is_decode else 0,
         )
         logit_rows = None if all_rows else d["logit_rows"]  # may be empty: no row samples
         return ForwardInputs(d["input_ids"], d["positions"], meta, logit_rows, None, n, d["req_slots"])
