@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="fp8: float8 KV cache (the floor then counts its bytes)")
     ap.add_argument("--quantization", default=None, choices=["fp8"], help="fp8 weights (the floor counts their bytes)")
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="prefill token budget per step")
+    ap.add_argument("--schedule-policy", default=None, choices=["prefill-first", "mixed"], help="default: the engine's")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="mixed: token budget of a decoding step")
     ap.add_argument("--num-seqs", type=int, default=NUM_SEQS, help="fewer for a smoke run (no total check)")
     ap.add_argument(
         "--repeat", type=int, default=1, help="time the workload this many times in the process; the last is reported"
@@ -256,6 +258,8 @@ def main() -> None:
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         **({"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {}),
+        **({"schedule_policy": args.schedule_policy} if args.schedule_policy else {}),
+        **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
     )
     engine = llm.engine
     device = engine.device
