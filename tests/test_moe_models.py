@@ -149,6 +149,14 @@ def test_chunked_prefill_and_page_sizes(moe_models, arch, page_size):
     assert_idle(llm)
 
 
+def test_mixed_prefill_decode_steps(moe_models):
+    """Decode rows and prompt chunks in one step: the MoE block is row-wise, outputs unchanged."""
+    path, reference = moe_models["qwen2_moe"]
+    llm = LLM(str(path), device="cpu", dtype="float32", chunked_prefill_size=16, schedule_policy="mixed")
+    assert generate(llm) == reference
+    assert_idle(llm)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe-plain", "qwen2_moe"])
 def test_prefix_cache_hits_keep_outputs(moe_models, arch):
     path, reference = moe_models[arch]
