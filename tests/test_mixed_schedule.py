@@ -506,3 +506,16 @@ def test_gpu_mixed_equals_prefill_first_fp32(tmp_path):
     assert fast == slow
     want = hf_greedy(path, [p for _, p in arrivals[:6]], MAX_TOKENS)
     assert by_request(arrivals, fast)[:6] == want
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_warm_up_runs_a_mixed_step_and_leaves_no_trace(model_dir, overlap):
+    # The warm-up runs on CUDA only; called by hand here, it must run a mixed step and leave
+    # nothing behind.
+    llm = make_llm(model_dir, "mixed", overlap, chunked_prefill_size=64)
+    checks = StepChecks(llm.engine)
+    llm.engine._warm_up()
+    assert checks.kinds["mixed"] > 0
+    stats = llm.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["requests_running"] == 0, stats
+    assert llm.engine.num_steps == 0 and not llm.engine.has_unfinished_requests()

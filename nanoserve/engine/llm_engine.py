@@ -154,7 +154,8 @@ class LLMEngine:
         kernels and compiled ops the first real requests need are compiled (and cached on
         disk) now rather than while they wait: a long prompt in chunks (prefill, then extend
         over its own prefix), a prompt sharing its first half (a prefix-cache hit), a short
-        one, decode at batch 1 and 2, greedy and random sampling. Leaves no trace: every
+        one, decode at batch 1 and 2, greedy and random sampling; under the mixed policy a
+        mixed step. Leaves no trace: every
         page is freed, the prefix cache emptied and the counters zeroed."""
         started = time.perf_counter()
         vocab = self.model_config.vocab_size
@@ -170,6 +171,16 @@ class LLMEngine:
         for i, work in enumerate(rounds):
             for j, (prompt, params) in enumerate(work):
                 self.add_request(f"warm-up-{i}-{j}", prompt, params, stream=False)
+            while self.has_unfinished_requests():
+                self.step()
+        if self.scheduler.mixed_budget is not None:
+            # A prompt arriving while a request decodes: a mixed step, whose row slices are
+            # kernel arguments of other alignments (Triton compiles those variants now).
+            greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+            self.add_request("warm-up-mixed-0", long_prompt[:9], greedy, stream=False)
+            self.step()
+            self.step()
+            self.add_request("warm-up-mixed-1", long_prompt[-21:], greedy, stream=False)
             while self.has_unfinished_requests():
                 self.step()
         if self.prefix_cache is not None:
