@@ -32,8 +32,6 @@ _BASE = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 1024,
     "initializer_range": 0.1,
-    "rms_norm_eps": 1e-6,  # explicit: the families' defaults differ (Mixtral's 1e-5, rope_theta 1e6)
-    "rope_theta": 10000.0,
     "tie_word_embeddings": False,
     "eos_token_id": None,
     "bos_token_id": None,

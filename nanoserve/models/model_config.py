@@ -103,7 +103,9 @@ class ModelConfig:
             qkv_bias = bool(cfg.get("attention_bias", False))
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
-        rope_theta, rope_scaling = _rope_fields(cfg)
+        # Mixtral's defaults where its config.json leaves them out (as transformers' MixtralConfig)
+        mixtral = model_type == "mixtral"
+        rope_theta, rope_scaling = _rope_fields(cfg, default_theta=1e6 if mixtral else 10000.0)
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         max_pos = cfg.get("max_position_embeddings", 4096)
@@ -126,7 +128,7 @@ class ModelConfig:
             head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5 if mixtral else 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
@@ -152,14 +154,14 @@ class ModelConfig:
         return ModelConfig(**{**self.__dict__, "eos_token_ids": merged})
 
 
-def _rope_fields(cfg: dict) -> tuple[float, dict | None]:
+def _rope_fields(cfg: dict, default_theta: float = 10000.0) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict or None) from either config generation's fields."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params:
         theta = params["rope_theta"]
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
-        theta = cfg.get("rope_theta", 10000.0)
+        theta = cfg.get("rope_theta", default_theta)
         scaling = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None
     if scaling is not None:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
