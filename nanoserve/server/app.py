@@ -12,6 +12,10 @@ Invariants:
 - A client that goes away aborts its engine requests at once: streaming responses are
   cancelled by Starlette on disconnect, non-streaming ones race a disconnect watcher; both end
   in `Generation.close()`.
+- Admission: a request that would overflow the engine client's queue, or waits in it past the
+  queue timeout, is answered 503 with `Retry-After` (and counted in /metrics).
+- /health is 503 when the engine is dead, or has had work but finished no step for
+  `watchdog_timeout_s`; a stream cut by the engine's death ends with an error event, no [DONE].
 - Every response carries `usage`: non-streaming bodies always; streams in a final usage chunk
   (OpenAI's `stream_options.include_usage`) or, when that is off, on the request's last chunk.
 """
@@ -28,6 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -50,6 +55,8 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     grammars: object | None = None  # nanoserve.structured.GrammarService, made on first use
+    watchdog_timeout_s: float = 60.0  # /health is 503 while the engine has work but no step for this long
+    allowed_origins: list[str] | None = None  # CORS origins ("*" for any); None: no CORS headers
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -78,6 +85,8 @@ def _sse(obj: dict) -> str:
 
 
 _SSE_DONE = "data: [DONE]\n\n"
+_RETRY_AFTER_S = "1"  # what a 503 for a full queue or a queue timeout tells clients to wait
+_QUEUE_ERRORS = ("queue_full", "queue_timeout")
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -139,10 +148,18 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="nanoserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.nanoserve = state
     token_text = _TokenText(state.tokenizer)
+    if state.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=state.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
 
     @app.exception_handler(p.RequestError)
     async def _request_error(_request: Request, exc: p.RequestError):
-        return JSONResponse(p.error_body(exc), status_code=exc.status)
+        headers = None
+        if exc.code in _QUEUE_ERRORS:
+            state.metrics.rejected(exc.code)
+            headers = {"Retry-After": _RETRY_AFTER_S}
+        return JSONResponse(p.error_body(exc), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException):
@@ -246,6 +263,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def start(prompts: list[list[int]], params, prompt_param: str) -> Generation:
         check_alive()
+        if not state.client.admits(len(prompts)):
+            raise p.RequestError(
+                503,
+                f"The server's queue is full ({state.client.max_queued_requests} requests); retry later",
+                None,
+                "queue_full",
+            )
         gen = Generation(state.client, state.metrics, state.tokenizer, prompts, params)
         await gen.start(prompt_param)
         return gen
@@ -255,8 +279,11 @@ def build_app(state: ServerState) -> FastAPI:
             try:
                 async for event in events:
                     yield event
-            except p.RequestError as exc:  # the engine died mid-stream: say so, then end the stream
+            except p.RequestError as exc:
+                # The engine died mid-stream: say so and end without [DONE], so no client takes
+                # the cut-off answer for a complete one.
                 yield _sse(p.error_body(exc))
+                return
             finally:
                 gen.close()
             yield _SSE_DONE
@@ -572,12 +599,17 @@ def build_app(state: ServerState) -> FastAPI:
     async def health():
         if state.client.dead is not None:
             raise p.RequestError(503, f"The engine is not available: {state.client.dead}", None, "engine_dead")
+        stalled = state.client.stalled_s()
+        if stalled > state.watchdog_timeout_s:
+            raise p.RequestError(
+                503, f"The engine has had work but finished no step for {stalled:.1f} s", None, "engine_stalled"
+            )
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
         stats = await state.client.fetch_stats()
-        state.metrics.update_engine(stats, state.client.num_tracked_requests)
+        state.metrics.update_engine(stats, state.client.num_tracked_requests, state.client.num_queued_requests)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

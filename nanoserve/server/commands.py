@@ -31,6 +31,30 @@ def register(subparsers) -> None:
     )
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     g.add_argument("--show-examples", action="store_true", help="print a curl command and an openai snippet when ready")
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="most requests waiting to be scheduled; more are refused at once with 503 + Retry-After (default: no limit)",
+    )
+    g.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may wait to be scheduled before it is answered 503 (default: no limit)",
+    )
+    g.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        default=60.0,
+        help="/health answers 503 while the engine has work but finished no step for this many seconds (default 60)",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGINS",
+        help="enable CORS for these comma-separated origins ('*' for any; default: CORS off)",
+    )
     serve.set_defaults(func=_serve)
 
     chat = subparsers.add_parser(
@@ -67,10 +91,16 @@ def _resolve_model(args: argparse.Namespace, command: str) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     _resolve_model(args, "serve")
-    from nanoserve.server.launch import run_server
+    from nanoserve.server.launch import ServerLimits, run_server
 
     try:
         config = engine_config_from_args(args)
+        limits = ServerLimits(
+            max_queued_requests=args.max_queued_requests,
+            queue_timeout_s=args.queue_timeout,
+            watchdog_timeout_s=args.watchdog_timeout,
+            allowed_origins=tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()),
+        )
     except ValueError as exc:
         raise SystemExit(f"nanoserve serve: {exc}") from None
     if config.node_rank > 0:  # multi-host tensor parallelism: this host runs worker ranks only
@@ -85,6 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key,
         show_examples=args.show_examples,
+        limits=limits,
     )
 
 

@@ -11,6 +11,12 @@ Invariants:
 - If the engine process dies or reports a fatal error, every registered sink receives
   `EngineDead`, `dead` holds the reason, and `on_death` runs once (the server then exits).
 - `kill()` is synchronous and idempotent, safe from atexit and `finally` blocks.
+- Queue: a request is *queued* from `submit` until the engine reports that its scheduler admitted
+  it (`Scheduled` goes into its sink), or until it is aborted, released or rejected. `admits(k)`
+  says whether k more fit under `max_queued_requests`; a request queued longer than
+  `queue_timeout_s` is aborted in the engine and gets `QueueTimeout` instead.
+- Heartbeat: every engine step sends one `StepOutputs`; `stalled_s()` is how long the engine has
+  had work (tracked requests) without finishing a step, the watchdog's measure.
 """
 
 from __future__ import annotations
@@ -59,13 +65,40 @@ class Rejected:
     message: str
 
 
+@dataclass
+class Scheduled:
+    """Put into a request's sink when the engine's scheduler first admitted it (it left the queue)."""
+
+    request_id: str
+
+
+@dataclass
+class QueueTimeout:
+    """Put into a request's sink when it waited in the queue longer than the queue timeout (it is
+    aborted in the engine)."""
+
+    waited_s: float
+
+
 class EngineStartError(RuntimeError):
     pass
 
 
 class EngineClient:
-    def __init__(self, config, served_name: str, engine_factory: str | None = None):
+    def __init__(
+        self,
+        config,
+        served_name: str,
+        engine_factory: str | None = None,
+        max_queued_requests: int | None = None,
+        queue_timeout_s: float | None = None,
+    ):
         self._config = config
+        self.max_queued_requests = max_queued_requests
+        self.queue_timeout_s = queue_timeout_s
+        self._queued: dict[str, float] = {}  # request id -> submit time, while queued (insertion order)
+        self._last_step = time.monotonic()  # the last StepOutputs, or the moment work appeared
+        self.num_steps = 0
         self._served_name = served_name
         self._engine_factory = engine_factory
         self._sinks: dict[str, asyncio.Queue] = {}
@@ -129,6 +162,8 @@ class EngineClient:
 
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_loop()), loop.create_task(self._monitor_loop())]
+        if self.queue_timeout_s is not None:
+            self._tasks.append(loop.create_task(self._queue_timeout_loop()))
         return self.info
 
     async def shutdown(self, grace_s: float = 3.0) -> None:
@@ -177,7 +212,10 @@ class EngineClient:
         if self.dead is not None:
             sink.put_nowait(EngineDead(self.dead))
             return
+        if not self._sinks:
+            self._last_step = time.monotonic()  # the watchdog measures from when work appeared
         self._sinks[request_id] = sink
+        self._queued[request_id] = time.monotonic()
         self._push.send(m.dumps(m.AddRequest(request_id, prompt_token_ids, params)))
 
     def abort(self, request_id: str, index: int | None = None) -> None:
@@ -185,16 +223,32 @@ class EngineClient:
         Aborting the whole request also forgets its sink."""
         if index is None:
             self._sinks.pop(request_id, None)
+            self._queued.pop(request_id, None)
         if self.dead is None and not self._stopping:
             self._push.send(m.dumps(m.AbortRequest(request_id, index)))
 
     def release(self, request_id: str) -> None:
         """Forget a request that finished normally."""
         self._sinks.pop(request_id, None)
+        self._queued.pop(request_id, None)
 
     @property
     def num_tracked_requests(self) -> int:
         return len(self._sinks)
+
+    @property
+    def num_queued_requests(self) -> int:
+        return len(self._queued)
+
+    def admits(self, count: int) -> bool:
+        """Whether `count` more requests fit in the queue (always, without a limit)."""
+        return self.max_queued_requests is None or len(self._queued) + count <= self.max_queued_requests
+
+    def stalled_s(self) -> float:
+        """Seconds the engine has had work without finishing a step (0 while it has none)."""
+        if not self._sinks or self.dead is not None:
+            return 0.0
+        return time.monotonic() - self._last_step
 
     async def fetch_stats(self, timeout_s: float = 2.0) -> dict:
         """Fresh engine stats (answered between two engine steps); the last known on timeout."""
@@ -218,6 +272,11 @@ class EngineClient:
             msg = m.loads(await self._pull.recv())
             if isinstance(msg, m.StepOutputs):
                 self.stats = msg.stats
+                self.num_steps += 1
+                self._last_step = time.monotonic()
+                for request_id in msg.scheduled:
+                    if self._queued.pop(request_id, None) is not None:
+                        self._sinks[request_id].put_nowait(Scheduled(request_id))
                 for update in msg.updates:
                     sink = self._sinks.get(update.request_id)
                     if sink is not None:
@@ -228,6 +287,7 @@ class EngineClient:
                     sink.put_nowait(Accepted(msg.request_id))
             elif isinstance(msg, m.RequestRejected):
                 sink = self._sinks.pop(msg.request_id, None)
+                self._queued.pop(msg.request_id, None)
                 if sink is not None:
                     sink.put_nowait(Rejected(msg.message))
             elif isinstance(msg, m.StatsReply):
@@ -245,12 +305,29 @@ class EngineClient:
                 self._declare_dead(f"the engine process exited unexpectedly (exit code {self._proc.exitcode})")
                 return
 
+    async def _queue_timeout_loop(self) -> None:
+        limit = self.queue_timeout_s
+        while True:
+            await asyncio.sleep(min(0.1, limit / 4))
+            now = time.monotonic()
+            expired = []
+            for request_id, since in self._queued.items():  # oldest first
+                if now - since < limit:
+                    break
+                expired.append((request_id, now - since))
+            for request_id, waited in expired:
+                sink = self._sinks.get(request_id)
+                self.abort(request_id)  # forgets its sink and queue entry; frees it in the engine
+                if sink is not None:
+                    sink.put_nowait(QueueTimeout(waited))
+
     def _declare_dead(self, reason: str) -> None:
         if self.dead is not None or self._stopping:
             return
         self.dead = reason
         logger.error("%s", reason)
         sinks, self._sinks = self._sinks, {}
+        self._queued.clear()
         for sink in sinks.values():
             sink.put_nowait(EngineDead(reason))
         if self.on_death is not None:

@@ -9,6 +9,8 @@ Invariants:
   exits non-zero, so the server can answer 503 and exit instead of hanging.
 - The process never outlives the server: the kernel sends it SIGKILL when its parent dies
   (PR_SET_PDEATHSIG on Linux) and the loop also checks the parent pid while idle.
+- Every accepted request is reported once as `scheduled` (in `StepOutputs`) when the scheduler
+  first admits it, so the API server knows which requests still wait in the queue.
 - It runs in its own process group, so a terminal Ctrl+C reaches only the server, which then
   shuts the engine down in order (and kills the whole group if that takes too long).
 """
@@ -126,6 +128,7 @@ def engine_main(
 def _loop(engine, pull, push, parent_pid: int) -> None:
     import zmq
 
+    queued: set[str] = set()  # accepted, not yet admitted by the scheduler
     while True:
         busy = engine.has_unfinished_requests()
         # Block while idle (a short poll so a dead parent is noticed), never while requests run.
@@ -137,7 +140,7 @@ def _loop(engine, pull, push, parent_pid: int) -> None:
                     break
                 if isinstance(msg, m.Shutdown):
                     return
-                reply = _handle(engine, msg)
+                reply = _handle(engine, msg, queued)
                 if reply is not None:
                     push.send(m.dumps(reply))
             # Aborts free pages now; tell the server so /metrics shows it even if we go idle.
@@ -147,18 +150,34 @@ def _loop(engine, pull, push, parent_pid: int) -> None:
             return
         if engine.has_unfinished_requests():
             updates = engine.step()
-            push.send(m.dumps(m.StepOutputs(updates=updates, stats=dict(engine.stats()))))
+            scheduled = _newly_scheduled(engine, queued) if queued else []
+            push.send(m.dumps(m.StepOutputs(updates=updates, stats=dict(engine.stats()), scheduled=scheduled)))
 
 
-def _handle(engine, msg):
+def _newly_scheduled(engine, queued: set[str]) -> list[str]:
+    """Take out of `queued` the requests the scheduler has admitted (given a slot) by now.
+
+    Only runs while something is queued and costs one pass over the scheduler's waiting
+    queue. An engine without a scheduler (a test double) counts every request as admitted
+    by the first step after it arrived."""
+    waiting = getattr(getattr(engine, "scheduler", None), "waiting", None)
+    still = set() if waiting is None else {r.request_id for r in waiting if getattr(r, "slot", None) is None}
+    done = [rid for rid in queued if rid not in still]
+    queued.difference_update(done)
+    return done
+
+
+def _handle(engine, msg, queued: set[str]):
     if isinstance(msg, m.AddRequest):
         try:
             engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
         except ValueError as exc:
             return m.RequestRejected(request_id=msg.request_id, message=str(exc))
+        queued.add(msg.request_id)
         return m.RequestAccepted(request_id=msg.request_id)
     if isinstance(msg, m.AbortRequest):
         if msg.index is None:
+            queued.discard(msg.request_id)
             engine.abort_request(msg.request_id)
         else:
             engine.abort_request(msg.request_id, msg.index)

@@ -26,8 +26,14 @@ from dataclasses import dataclass, field
 
 from nanoserve.outputs import StepUpdate, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.server.engine_client import Accepted, EngineDead, Rejected
+from nanoserve.server.engine_client import Accepted, EngineDead, QueueTimeout, Rejected, Scheduled
 from nanoserve.server.protocol import RequestError, bad_request
+
+
+def _queue_timeout(event: QueueTimeout) -> RequestError:
+    return RequestError(
+        503, f"The request waited {event.waited_s:.1f} s in the queue without being scheduled", None, "queue_timeout"
+    )
 
 
 class _TextlessDetokenizer:
@@ -108,20 +114,27 @@ class Generation:
     # ------------------------------------------------------------------------------- start/stop
 
     async def start(self, prompt_param: str) -> None:
-        """Submit every prompt and wait until the engine accepted all of them."""
+        """Submit every prompt and wait until the engine accepted all of them and its scheduler
+        admitted them (so a queue timeout is still an HTTP 503, before any byte is streamed)."""
         for job in self._jobs:
             self._client.submit(job.request_id, job.prompt_token_ids, self._params, self._queue)
         waiting = set(self._by_id)
+        queued = set(self._by_id)
         try:
-            while waiting:
+            while waiting or queued:
                 event = await self._queue.get()
                 if isinstance(event, Accepted):
                     waiting.discard(event.request_id)
+                    continue
+                if isinstance(event, Scheduled):
+                    queued.discard(event.request_id)
                     continue
                 if isinstance(event, EngineDead):
                     raise RequestError(503, f"The engine is not available: {event.reason}", None, "engine_dead")
                 if isinstance(event, Rejected):
                     raise bad_request(event.message, prompt_param, "prompt_rejected")
+                if isinstance(event, QueueTimeout):
+                    raise _queue_timeout(event)
                 self._pending.append(event)  # an update of an accepted prompt: replay it later
             for job in self._jobs:
                 self._metrics.prompt_tokens.inc(len(job.prompt_token_ids))
@@ -163,8 +176,10 @@ class Generation:
     async def deltas(self) -> AsyncIterator[SampleDelta]:
         while not self.finished:
             event = self._pending.popleft() if self._pending else await self._queue.get()
-            if isinstance(event, Accepted):
+            if isinstance(event, (Accepted, Scheduled)):
                 continue
+            if isinstance(event, QueueTimeout):  # cannot happen after start(); be explicit anyway
+                raise _queue_timeout(event)
             if isinstance(event, EngineDead):
                 raise RequestError(503, f"The engine is not available: {event.reason}", None, "engine_dead")
             if isinstance(event, Rejected):  # cannot happen after start(); be explicit anyway

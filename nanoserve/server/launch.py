@@ -11,7 +11,8 @@ Invariants:
 - SIGINT/SIGTERM (first): stop accepting, give open requests a short grace, abort the rest, stop
   the engine (killing its process group if it lingers), exit 0. A second signal forces the exit.
   During model loading a signal stops the loading at once.
-- If the engine dies, requests in flight get 503, the server logs why and exits with code 1.
+- If the engine dies, requests in flight get 503 (open streams an error event), the server logs
+  why and exits with code 1.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 
 import uvicorn
 
@@ -44,6 +46,24 @@ class _Server(uvicorn.Server):
 
     def install_signal_handlers(self) -> None:  # older uvicorn
         pass
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Admission control, watchdog and CORS of the API server (flags of `nanoserve serve`)."""
+
+    max_queued_requests: int | None = None  # requests not yet scheduled; more are refused with 503
+    queue_timeout_s: float | None = None  # a request not scheduled within this is answered 503
+    watchdog_timeout_s: float = 60.0  # /health is 503 while the engine has work and no step for this long
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: off
+
+    def __post_init__(self):
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be at least 1, got {self.max_queued_requests}")
+        if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
+            raise ValueError(f"--queue-timeout must be positive, got {self.queue_timeout_s}")
+        if self.watchdog_timeout_s <= 0:
+            raise ValueError(f"--watchdog-timeout must be positive, got {self.watchdog_timeout_s}")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -72,6 +92,7 @@ def run_server(
     api_key: str | None = None,
     engine_factory: str | None = None,
     show_examples: bool = False,
+    limits: ServerLimits | None = None,
 ) -> int:
     """Serve until a signal (exit code 0) or until the engine dies or fails to load (code 1)."""
     setup_logging()
@@ -81,7 +102,9 @@ def run_server(
         logger.error("cannot listen on %s:%s: %s", host, port, exc)
         return 1
     try:
-        return asyncio.run(_serve(config, served_name, sock, api_key, engine_factory, show_examples))
+        return asyncio.run(
+            _serve(config, served_name, sock, api_key, engine_factory, show_examples, limits or ServerLimits())
+        )
     finally:
         sock.close()
 
@@ -109,10 +132,22 @@ print()'
 
 
 async def _serve(
-    config, served_name: str, sock: socket.socket, api_key: str | None, engine_factory, show_examples: bool = False
+    config,
+    served_name: str,
+    sock: socket.socket,
+    api_key: str | None,
+    engine_factory,
+    show_examples: bool,
+    limits: ServerLimits,
 ) -> int:
     loop = asyncio.get_running_loop()
-    client = EngineClient(config, served_name, engine_factory)
+    client = EngineClient(
+        config,
+        served_name,
+        engine_factory,
+        max_queued_requests=limits.max_queued_requests,
+        queue_timeout_s=limits.queue_timeout_s,
+    )
     server: _Server | None = None
     main_task = asyncio.current_task()
     exit_code = 0
@@ -148,6 +183,8 @@ async def _serve(
             tokenizer=info.tokenizer,
             metrics=ServerMetrics(served_name),
             api_key=api_key,
+            watchdog_timeout_s=limits.watchdog_timeout_s,
+            allowed_origins=list(limits.allowed_origins) or None,
         )
         uv_config = uvicorn.Config(
             build_app(state),

@@ -10,6 +10,9 @@ Invariants:
   any of its updates), `StatsReply`, and `EngineFailed` if the
   engine loop itself breaks (after which the engine process exits).
 - A request id that was rejected never produces a `StepUpdate`.
+- Every accepted request id appears once in some `StepOutputs.scheduled` (the step that
+  admitted it), in or before the message that carries its first update, unless it was aborted
+  while still queued. `StepOutputs` are sent once per engine step: they are the heartbeat.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ class EngineFailed:
 class StepOutputs:
     updates: list[StepUpdate]
     stats: dict
+    # Requests the scheduler admitted for the first time in this step (they left the queue).
+    scheduled: list[str] = field(default_factory=list)
 
 
 @dataclass
