@@ -9,13 +9,20 @@ latency; it reports mean/p50/p90/p99 of each plus request and token throughput. 
 (`--request-rate 4,8,16,32,inf`) make a sweep; `--output-png` then draws the latency curves
 (or later, without a server: `--plot-from RESULT.json --output-png PLOT.png`).
 
+`--goodput TTFT_MS,TPOT_MS` adds each rate's SLO attainment (the share of requests, failed ones
+included, with TTFT and TPOT both within the bounds) and the goodput rate: the highest request
+rate up to which at least 90% of requests attain both. It is found by a sweep: the listed rates
+first, then `--goodput-steps` bisections between the highest passing and the lowest failing
+finite rate (assuming attainment falls as the rate grows).
+
 Needs only aiohttp (and matplotlib for the PNG). Output token counts come from the server's
 `usage` (stream_options.include_usage); ShareGPT lengths are measured with the server's
 /tokenize endpoint, so no tokenizer is needed here.
 
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --dataset random \\
         --random-input-len 1024 --random-output-len 256 --num-prompts 200 \\
-        --request-rate 4,8,16,32,inf --output-json serving.json --output-png serving.png
+        --request-rate 4,8,16,32,inf --output-json serving.json --output-png serving.png \
+        --goodput 500,25
 """
 
 from __future__ import annotations
@@ -222,6 +229,50 @@ def summarize(rate: float, results: list[RequestResult], duration: float, max_co
     }
 
 
+GOODPUT_SHARE = 0.9  # the share of requests that must attain the SLO for a rate to count
+
+
+def tpot_s(r: RequestResult) -> float | None:
+    return (r.e2e - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None
+
+
+def slo_attainment(results: list[RequestResult], ttft_ms: float, tpot_ms: float) -> float:
+    """The share of all requests (failed ones count as missing) within both bounds; a
+    one-token answer has no TPOT and is judged by its TTFT alone."""
+
+    def good(r: RequestResult) -> bool:
+        tpot = tpot_s(r)
+        return r.ok and r.ttft * 1000 <= ttft_ms and (tpot is None or tpot * 1000 <= tpot_ms)
+
+    return sum(map(good, results)) / len(results) if results else 0.0
+
+
+def goodput_bounds(summaries: list[dict]) -> tuple[float, float | None]:
+    """(highest rate such that it and every lower rate measured passed, 0.0 if none;
+    lowest failing rate or None). Rates are numbers, math.inf for 'all at once'."""
+    passed, failed = 0.0, None
+    for s in sorted(summaries, key=_rate):
+        if s["slo_attainment"] >= GOODPUT_SHARE and failed is None:
+            passed = _rate(s)
+        elif s["slo_attainment"] < GOODPUT_SHARE and failed is None:
+            failed = _rate(s)
+    return passed, failed
+
+
+def _rate(s: dict) -> float:
+    return math.inf if s["request_rate"] == "inf" else float(s["request_rate"])
+
+
+def goodput_line(g: dict) -> str:
+    slo = f"TTFT <= {g['ttft_ms']:g} ms and TPOT <= {g['tpot_ms']:g} ms"
+    share = f"{GOODPUT_SHARE:.0%} of requests"
+    if g["rate"] == 0:
+        return f"goodput: fewer than {share} meet {slo} even at {g['first_failing_rate']} req/s"
+    if g["first_failing_rate"] is None:
+        return f"goodput: {share} meet {slo} at every rate measured, up to {g['rate']} req/s"
+    return f"goodput: {share} meet {slo} up to {g['rate']:.2f} req/s (fewer at {g['first_failing_rate']} req/s)"
+
+
 def print_summary(s: dict) -> None:
     print(f"---- request rate {s['request_rate']} (max concurrency {s['max_concurrency']}) ----")
     print(f"completed {s['completed']}  failed {s['failed']}  duration {s['duration_s']:.2f} s")
@@ -236,6 +287,8 @@ def print_summary(s: dict) -> None:
         if v["mean"] is None:
             continue
         print(f"{key:8s} mean {v['mean']:9.2f}  p50 {v['p50']:9.2f}  p90 {v['p90']:9.2f}  p99 {v['p99']:9.2f}")
+    if "slo_attainment" in s:
+        print(f"SLO attainment {s['slo_attainment']:.1%}")
 
 
 def plot(summaries: list[dict], path: str, title: str) -> None:
@@ -244,6 +297,7 @@ def plot(summaries: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    summaries = sorted(summaries, key=_rate)  # goodput bisection runs come after the listed rates
     labels = [str(s["request_rate"]) for s in summaries]
     xs = list(range(len(summaries)))
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
@@ -279,6 +333,16 @@ def _title(report: dict) -> str:
     if report["dataset"] == "random":
         return f"{report['model']}: random, input {report['random_input_len']} / output {report['random_output_len']}"
     return f"{report['model']}: {report['dataset']}"
+
+
+def parse_goodput(text: str) -> tuple[float, float]:
+    try:
+        ttft_ms, tpot_ms = (float(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--goodput takes TTFT_MS,TPOT_MS (e.g. 500,25), got {text!r}") from None
+    if ttft_ms <= 0 or tpot_ms <= 0:
+        raise SystemExit(f"--goodput bounds must be positive, got {text!r}")
+    return ttft_ms, tpot_ms
 
 
 def parse_rates(text: str) -> list[float]:
@@ -333,7 +397,10 @@ async def amain(args) -> int:
             "results": [],
         }
         summaries = report["results"]
-        for i, rate in enumerate(parse_rates(args.request_rate)):
+        slo = parse_goodput(args.goodput) if args.goodput else None
+
+        async def measure(i: int, rate: float) -> None:
+            nonlocal specs
             if args.dataset == "random":
                 # Fresh prompts per rate: reusing them would turn later rates into prefix-cache hits.
                 specs = random_specs(args.seed + 1 + i)
@@ -341,9 +408,32 @@ async def amain(args) -> int:
                 session, base, model, specs, rate, args.max_concurrency, args.temperature, args.seed
             )
             summary = summarize(rate, results, duration, args.max_concurrency)
+            if slo is not None:
+                summary["slo_attainment"] = slo_attainment(results, *slo)
             print_summary(summary)
             summaries.append(summary)
             if args.output_json:  # after every rate, so a sweep cut short keeps what it measured
+                _write_json(args.output_json, report)
+
+        rates = parse_rates(args.request_rate)
+        for i, rate in enumerate(rates):
+            await measure(i, rate)
+        if slo is not None:
+            for step in range(args.goodput_steps):
+                lo, hi = goodput_bounds(summaries)
+                if hi is None or math.isinf(hi):
+                    break  # nothing failed, or only 'all at once': no finite bracket to narrow
+                await measure(len(rates) + step, round((lo + hi) / 2, 3))
+            lo, hi = goodput_bounds(summaries)
+            report["goodput"] = {
+                "ttft_ms": slo[0],
+                "tpot_ms": slo[1],
+                "share": GOODPUT_SHARE,
+                "rate": "inf" if math.isinf(lo) else lo,
+                "first_failing_rate": None if hi is None else ("inf" if math.isinf(hi) else hi),
+            }
+            print(goodput_line(report["goodput"]))
+            if args.output_json:
                 _write_json(args.output_json, report)
 
     if args.output_json:
@@ -374,6 +464,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--output-png", default=None)
+    ap.add_argument(
+        "--goodput",
+        default=None,
+        metavar="TTFT_MS,TPOT_MS",
+        help=f"SLO bounds: report each rate's attainment and the rate up to which {GOODPUT_SHARE:.0%} attain both",
+    )
+    ap.add_argument("--goodput-steps", type=int, default=3, help="bisection runs that narrow the goodput rate")
     ap.add_argument(
         "--plot-from",
         default=None,

@@ -1,0 +1,54 @@
+"""benchmarks/serving.py's goodput: SLO attainment per rate and the bracket its sweep narrows."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("aiohttp")  # the script's HTTP client (pinned in the test extra)
+
+_spec = importlib.util.spec_from_file_location(
+    "serving_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "serving.py"
+)
+serving = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = serving  # its dataclasses look their module up there
+_spec.loader.exec_module(serving)
+
+
+def result(ok=True, ttft=0.1, e2e=1.1, tokens=51):
+    return serving.RequestResult(ok=ok, ttft=ttft, e2e=e2e, output_tokens=tokens)
+
+
+def test_slo_attainment_counts_both_bounds_and_failures():
+    good = result()  # TTFT 100 ms, TPOT (1.1 - 0.1) / 50 = 20 ms
+    slow_first = result(ttft=0.6, e2e=1.6)
+    slow_tokens = result(e2e=2.1)  # TPOT 40 ms
+    one_token = result(tokens=1, e2e=0.1)  # no TPOT: judged by TTFT alone
+    failed = result(ok=False)
+    rs = [good, slow_first, slow_tokens, one_token, failed]
+    assert serving.slo_attainment(rs, 500, 25) == pytest.approx(2 / 5)
+    assert serving.slo_attainment(rs, 1000, 50) == pytest.approx(4 / 5)
+    assert serving.slo_attainment([], 500, 25) == 0
+
+
+def test_goodput_bounds():
+    s = [{"request_rate": r, "slo_attainment": a} for r, a in ((4, 1.0), (8, 0.95), (16, 0.5), (32, 0.99), ("inf", 0))]
+    # 32 passes again, but 16 failed below it: the goodput is the rate up to which all pass.
+    assert serving.goodput_bounds(s) == (8, 16)
+    assert serving.goodput_bounds(s[:2]) == (8, None)
+    assert serving.goodput_bounds([s[2]]) == (0.0, 16)
+    lo, hi = serving.goodput_bounds([*s[:2], {"request_rate": "inf", "slo_attainment": 0.9}])
+    assert math.isinf(lo) and hi is None
+    line = serving.goodput_line({"ttft_ms": 500, "tpot_ms": 25, "rate": 8.0, "first_failing_rate": 16.0})
+    assert "up to 8.00 req/s" in line and "TTFT <= 500 ms" in line and "TPOT <= 25 ms" in line
+
+
+def test_goodput_flag_parsing():
+    assert serving.parse_goodput("500,25") == (500.0, 25.0)
+    for bad in ("500", "a,b", "0,25"):
+        with pytest.raises(SystemExit):
+            serving.parse_goodput(bad)
