@@ -1,0 +1,459 @@
+"""Mixture-of-experts: the router's top-k and the fused expert MLPs, with their torch twins.
+
+Owns `route` / `route_reference` (softmax over the E router logits in fp32, the k largest,
+optionally divided by their sum) and `fused_moe` / `fused_moe_reference`
+(sum_k w_k * down_e(silu(gate_e x) * up_e x) for every token x, e = topk_ids[t, k]).
+
+Weights: w13 [E, 2*I, H] (an expert's gate rows, then its up rows), w2 [E, H, I].
+
+`fused_moe` takes one of two paths, both Triton, chosen on the host from shapes only:
+- decode (T*k <= DECODE_MAX_PAIRS): one program per (token, slot, column block) reads its
+  chosen expert's rows GEMV-style, so a batch of one reads only the k chosen experts;
+- grouped: the (token, slot) pairs are sorted by expert and every expert's group padded to
+  BLOCK_M on the device (`align`), then one grouped GEMM over gate and up with silu(gate)*up in
+  its epilogue and one over down with the routing weight applied in its epilogue.
+Both write each pair's contribution to a [T, k, H] buffer that a torch sum folds per token.
+
+Invariants: nothing here reads device data on the host (buffer sizes come from T, E, k and
+BLOCK_M only: the worst case T*k + E*(BLOCK_M-1) padded rows), so CUDA graphs capture route
+and fused_moe; the block sizes come from `TUNED` (measured by benchmarks/moe.py --tune) or,
+for shapes not in it, from `_fallback_config`, silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.launch import INTERPRET
+
+# ----------------------------------------------------------------------------------------------
+# torch references (the CPU path and the slow twin)
+
+
+def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, k], expert ids int32 [T, k]), largest first: softmax over the experts
+    in fp32, the k largest, divided by their sum when `renormalize` (as Hugging Face routes)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe_reference(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """sum_k w_k * down_e(silu(gate_e x) * up_e x) for hidden [T, H]: a loop over the experts
+    that tokens chose. The expert MLPs run in hidden's dtype (as Hugging Face's do); the
+    weighted sum accumulates in fp32 and is rounded once to hidden's dtype. Reads the routing
+    on the host (torch.unique), so it is the CPU path, never a graph-captured one."""
+    _check_args(hidden, w13, w2, topk_weights, topk_ids)
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    inter = w2.shape[2]
+    ids = topk_ids.long()
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        gate, up = F.linear(hidden[token], w13[e]).split(inter, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]).float() * topk_weights[token, slot, None].float()
+        out.index_add_(0, token, y)
+    return out.to(hidden.dtype)
+
+
+def _check_args(hidden, w13, w2, topk_weights, topk_ids) -> None:
+    if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError("fused_moe needs hidden [T, H], w13 [E, 2*I, H], w2 [E, H, I]")
+    T, H = hidden.shape
+    E, two_i, h13 = w13.shape
+    if h13 != H or two_i % 2 or w2.shape != (E, H, two_i // 2):
+        raise ValueError(
+            f"fused_moe: hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not fit "
+            "(w13 [E, 2*I, H], w2 [E, H, I])"
+        )
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"fused_moe: topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be [T={T}, k]"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# route
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, w_ptr, ids_ptr, E, stride_l,
+    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
+):  # fmt: skip
+    """Program t: softmax over row t's E logits in fp32, then k rounds of (max, first argmax,
+    mask it out), largest first as torch.topk."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(offs < E, p, -1.0)  # padded lanes are never chosen
+    kr = tl.arange(0, BLOCK_K)
+    w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(K):
+        m = tl.max(p, axis=0)
+        i = tl.min(tl.where(p == m, offs, BLOCK_E), axis=0)  # the lowest index among ties
+        w = tl.where(kr == j, m, w)
+        ids = tl.where(kr == j, i, ids)
+        p = tl.where(offs == i, -1.0, p)
+    if RENORM:
+        w = w / tl.sum(w, axis=0)
+    tl.store(w_ptr + t * K + kr, w, mask=kr < K)
+    tl.store(ids_ptr + t * K + kr, ids, mask=kr < K)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `route_reference`, in one Triton launch (one program per token). Ties go to the
+    lower expert index (torch.topk leaves their order unspecified)."""
+    if router_logits.dim() != 2 or router_logits.stride(1) != 1:
+        raise ValueError("route needs router_logits [T, E] with a dense last dim")
+    T, E = router_logits.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"route: top_k {top_k} must be in 1..{E} (the number of experts)")
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=router_logits.device)
+    if T:
+        _route_kernel[(T,)](
+            router_logits, weights, ids, E, router_logits.stride(0),
+            K=top_k, BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k),
+            RENORM=renormalize, num_warps=1 if E <= 64 else 4,
+        )  # fmt: skip
+    return weights, ids
+
+
+# ----------------------------------------------------------------------------------------------
+# block sizes
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One shape's launch parameters. Grouped path: BLOCK_M rows (token slots of one expert)
+    x BLOCK_N columns per program, BLOCK_K deep steps. Decode path: BLOCK_N output rows per
+    program, BLOCK_K deep steps."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (H, I, E, T bucket) -> (config of the first GEMM [gate_up], config of the second [down]).
+# Measured with `python benchmarks/moe.py --tune` on the GPU it names; T buckets are powers of
+# two (`_bucket`). Shapes not here take `_fallback_config`.
+TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {}
+
+DECODE_MAX_PAIRS = 64  # T*k at most this: the decode path (reads only the chosen experts' rows)
+
+
+def _bucket(T: int) -> int:
+    return triton.next_power_of_2(max(T, 1))
+
+
+def _fallback_config(T: int, k: int, E: int, decode: bool) -> MoEConfig:
+    """Block sizes for an untuned shape. Under the interpreter: the smallest tiles tl.dot
+    takes. Decode: 64 output rows x 128 deep per program (16-byte loads on 4 warps). Grouped:
+    BLOCK_M near the mean rows per expert (T*k/E), so sparse batches pad little."""
+    if INTERPRET:
+        return MoEConfig(16, 16, 16, 1, 1) if not decode else MoEConfig(1, 16, 32, 1, 1)
+    if decode:
+        return MoEConfig(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    rows = T * k / E
+    if rows <= 16:
+        return MoEConfig(16, 64, 128, 4, 3)
+    if rows <= 64:
+        return MoEConfig(32, 64, 128, 4, 3)
+    if rows <= 256:
+        return MoEConfig(64, 128, 64, 4, 3)
+    return MoEConfig(128, 128, 64, 8, 3)
+
+
+def get_configs(H: int, inter: int, E: int, T: int, k: int) -> tuple[MoEConfig, MoEConfig]:
+    """The (gate_up, down) launch parameters of a shape: the measured table, else the fallback."""
+    tuned = TUNED.get((H, inter, E, _bucket(T)))
+    if tuned is not None and not INTERPRET:
+        return tuned
+    cfg = _fallback_config(T, k, E, decode=T * k <= DECODE_MAX_PAIRS)
+    return cfg, cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# align: (token, slot) pairs sorted by expert, each expert's group padded to BLOCK_M
+
+
+@dataclass
+class Alignment:
+    """sorted_pairs [capacity]: flat pair indices t*k + j grouped by expert, each group padded
+    to a multiple of block_m with the sentinel T*k; block_expert [capacity / block_m]: the
+    expert of each block (E for blocks past the end); num_padded [1]: rows in use."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+
+
+def align_capacity(T: int, k: int, E: int, block_m: int) -> int:
+    """The worst-case padded rows: every expert's group may add block_m - 1 padding rows."""
+    pairs = T * k
+    return triton.cdiv(pairs + E * (block_m - 1), block_m) * block_m
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Sort the T*k (token, slot) pairs by expert on the device, without host synchronisation
+    (sizes from T, k, E and block_m only; scatter_add instead of bincount, whose output size
+    is read from the data)."""
+    T, k = topk_ids.shape
+    device = topk_ids.device
+    pairs = T * k
+    flat = topk_ids.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    count_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in pair order within one
+    expert_of = flat[order]
+    rank = torch.arange(pairs, device=device) - count_start[expert_of]
+    capacity = align_capacity(T, k, num_experts, block_m)
+    sorted_pairs = torch.full((capacity,), pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, padded_start[expert_of] + rank, order.to(torch.int32))
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
+    return Alignment(sorted_pairs, block_expert, padded_end[-1:].to(torch.int32), block_m)
+
+
+# ----------------------------------------------------------------------------------------------
+# grouped path
+
+
+@triton.jit
+def _dot(a, b, acc, F32: tl.constexpr):
+    """acc + a @ b. F32: in fp32 without TF32, for fp32 inputs (the twin's tight check) and
+    under the interpreter, whose bf16 tl.dot is wrong in Triton 3.9 (see attention.py)."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr,
+    H, I, num_pairs, stride_x, stride_we, stride_wn, stride_o,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32: tl.constexpr,
+):  # fmt: skip
+    """Program (b, n): the pairs of sorted block b (one expert's), columns n*BLOCK_N.. of
+    silu(x W_gate^T) * (x W_up^T), into out[pair] ([T*k, I])."""
+    b = tl.program_id(0)
+    if b * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + rows)
+    valid = pair < num_pairs
+    token = (pair // K).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_x + ks[None, :]
+    g_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    u_ptrs = g_ptrs + I * stride_wn
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = ks < H - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        wu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        gate = _dot(a, wg, gate, F32)
+        up = _dot(a, wu, up, F32)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    # Rounded as the reference: gate and up products in the dtype, silu rounded, times up.
+    gate = gate.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    y = act * up.to(dtype).to(tl.float32)
+    o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_o + cols[None, :]
+    tl.store(o_ptrs, y.to(dtype), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(
+    a_ptr, w_ptr, out_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr,
+    H, I, num_pairs, stride_a, stride_we, stride_wn, stride_o,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
+):  # fmt: skip
+    """Program (b, n): out[pair, n*BLOCK_N..] = topk_weight[pair] * (act[pair] W_down^T) for
+    the pairs of sorted block b; out is [T*k, H], summed over k afterwards."""
+    b = tl.program_id(0)
+    if b * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + rows)
+    valid = pair < num_pairs
+    pair64 = pair.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + pair64[:, None] * stride_a + ks[None, :]
+    w_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = ks < I - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = _dot(a, w, acc, F32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    weight = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0)
+    y = acc.to(dtype).to(tl.float32) * weight[:, None]  # the down product in the dtype, as the reference
+    tl.store(out_ptr + pair64[:, None] * stride_o + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# decode path
+
+
+@triton.jit
+def _decode_gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, ids_ptr, H, I, stride_x, stride_we, stride_wn, stride_o,
+    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program (p, n): pair p = t*k + j, columns n*BLOCK_N.. of its expert's silu(gate)*up:
+    reads only that expert's rows."""
+    p = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    token = p // K
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    ks = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    u_ptrs = g_ptrs + I * stride_wn
+    x_ptrs = x_ptr + token * stride_x + ks
+    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = ks < H - k0
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        wg = tl.load(g_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        wu = tl.load(u_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        gate += tl.sum(wg * x[None, :], axis=1)
+        up += tl.sum(wu * x[None, :], axis=1)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    y = act * up.to(dtype).to(tl.float32)
+    tl.store(out_ptr + p * stride_o + cols, y.to(dtype), mask=col_ok)
+
+
+@triton.jit
+def _decode_down_kernel(
+    a_ptr, w_ptr, out_ptr, ids_ptr, topk_w_ptr, H, I, stride_a, stride_we, stride_wn, stride_o,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program (p, n): out[p, n*BLOCK_N..] = topk_weight[p] * (act[p] W_down^T) of pair p's expert."""
+    p = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    a_ptrs = a_ptr + p * stride_a + ks
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = ks < I - k0
+        a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], axis=1)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    y = acc.to(dtype).to(tl.float32) * tl.load(topk_w_ptr + p)
+    tl.store(out_ptr + p * stride_o + cols, y, mask=col_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_moe
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    configs: tuple[MoEConfig, MoEConfig] | None = None,
+    path: str | None = None,
+) -> torch.Tensor:
+    """As `fused_moe_reference` ([T, H] in hidden's dtype), in Triton: four launches (decode
+    path) or the device-side align plus four (grouped path), no host synchronisation.
+    `configs` and `path` ("decode" | "grouped") override the table and the T*k rule (the
+    tuning script and the tests use them). Per-pair contributions are kept in fp32 and summed
+    over k in fp32, so the result is rounded once, as the reference's."""
+    _check_args(hidden, w13, w2, topk_weights, topk_ids)
+    if hidden.stride(1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
+        raise ValueError("fused_moe needs hidden with a dense last dim and contiguous w13, w2")
+    T, H = hidden.shape
+    E, _, _ = w13.shape
+    inter = w2.shape[2]
+    k = topk_ids.shape[1]
+    out = torch.empty(T, H, dtype=hidden.dtype, device=hidden.device)
+    if T == 0:
+        return out
+    pairs = T * k
+    ids = topk_ids.to(torch.int32).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    cfg13, cfg2 = configs or get_configs(H, inter, E, T, k)
+    if path is None:
+        path = "decode" if pairs <= DECODE_MAX_PAIRS else "grouped"
+    act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    contrib = torch.empty(pairs, H, dtype=torch.float32, device=hidden.device)
+    if path == "decode":
+        _decode_gate_up_kernel[(pairs, triton.cdiv(inter, cfg13.block_n))](
+            hidden, w13, act, ids, H, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            K=k, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
+        )  # fmt: skip
+        _decode_down_kernel[(pairs, triton.cdiv(H, cfg2.block_n))](
+            act, w2, contrib, ids, weights, H, inter, act.stride(0), w2.stride(0), w2.stride(1), contrib.stride(0),
+            BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+        )  # fmt: skip
+    elif path == "grouped":
+        f32 = hidden.dtype == torch.float32 or INTERPRET  # see _dot
+        al13 = align(ids, E, cfg13.block_m)
+        al2 = al13 if cfg2.block_m == cfg13.block_m else align(ids, E, cfg2.block_m)
+        _grouped_gate_up_kernel[(al13.block_expert.numel(), triton.cdiv(inter, cfg13.block_n))](
+            hidden, w13, act, al13.sorted_pairs, al13.block_expert, al13.num_padded,
+            H, inter, pairs, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            K=k, BLOCK_M=cfg13.block_m, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, F32=f32,
+            num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
+        )  # fmt: skip
+        _grouped_down_kernel[(al2.block_expert.numel(), triton.cdiv(H, cfg2.block_n))](
+            act, w2, contrib, weights, al2.sorted_pairs, al2.block_expert, al2.num_padded,
+            H, inter, pairs, act.stride(0), w2.stride(0), w2.stride(1), contrib.stride(0),
+            BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, F32=f32,
+            num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"fused_moe: path {path!r} is not 'decode' or 'grouped'")
+    # The k contributions of each token summed in fp32, rounded once into hidden's dtype.
+    out.copy_(contrib.view(T, k, H).sum(dim=1))
+    return out
