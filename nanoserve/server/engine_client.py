@@ -98,7 +98,6 @@ class EngineClient:
         self.queue_timeout_s = queue_timeout_s
         self._queued: dict[str, float] = {}  # request id -> submit time, while queued (insertion order)
         self._last_step = time.monotonic()  # the last StepOutputs, or the moment work appeared
-        self.num_steps = 0
         self._served_name = served_name
         self._engine_factory = engine_factory
         self._sinks: dict[str, asyncio.Queue] = {}
@@ -272,11 +271,12 @@ class EngineClient:
             msg = m.loads(await self._pull.recv())
             if isinstance(msg, m.StepOutputs):
                 self.stats = msg.stats
-                self.num_steps += 1
                 self._last_step = time.monotonic()
                 for request_id in msg.scheduled:
-                    if self._queued.pop(request_id, None) is not None:
-                        self._sinks[request_id].put_nowait(Scheduled(request_id))
+                    self._queued.pop(request_id, None)
+                    sink = self._sinks.get(request_id)
+                    if sink is not None:
+                        sink.put_nowait(Scheduled(request_id))
                 for update in msg.updates:
                     sink = self._sinks.get(update.request_id)
                     if sink is not None:
