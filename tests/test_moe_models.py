@@ -17,11 +17,13 @@ from tiny import VOCAB, hf_greedy, random_prompts
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.distributed import TPGroup
+from nanoserve.kernels.moe import fused_moe_reference, route_reference
 from nanoserve.models.loader import dummy_checkpoint, hf_parameter_shapes
 from nanoserve.models.model_config import ModelConfig
-from nanoserve.models.moe import SparseMoE, _moe_every_expert, _moe_reference, _route_reference
+from nanoserve.models.moe import SparseMoE, _moe_every_expert
 from nanoserve.models.quantization import UnsupportedQuantization
 from nanoserve.models.registry import resolve_model
+from nanoserve.switches import KernelSwitches
 
 _BASE = {
     "vocab_size": VOCAB,
@@ -235,30 +237,6 @@ def test_missing_expert_is_an_error(moe_models, tmp_path):
         LLM(str(tmp_path), device="cpu", dtype="float32")
 
 
-def test_route_and_reference_semantics():
-    """Routing: softmax then top-k, renormalised or not; the expert sum against a per-token loop."""
-    gen = torch.Generator().manual_seed(0)
-    tokens, hidden, experts, inter, k = 7, 16, 6, 8, 3
-    logits = torch.randn(tokens, experts, generator=gen)
-    w, ids = _route_reference(logits, k, renormalize=False)
-    probs = torch.softmax(logits, -1)
-    assert ids.dtype == torch.int32 and w.dtype == torch.float32
-    assert torch.allclose(w, probs.gather(1, ids.long()))
-    assert (w[:, :1] >= probs.max(-1, keepdim=True).values).all()
-    wn, ids_n = _route_reference(logits, k, renormalize=True)
-    assert torch.equal(ids, ids_n) and torch.allclose(wn.sum(-1), torch.ones(tokens))
-    x = torch.randn(tokens, hidden, generator=gen)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen)
-    w2 = torch.randn(experts, hidden, inter, generator=gen)
-    got = _moe_reference(x, w13, w2, wn, ids_n)
-    for t in range(tokens):
-        want = sum(
-            wn[t, j] * w2[e] @ (torch.nn.functional.silu(w13[e, :inter] @ x[t]) * (w13[e, inter:] @ x[t]))
-            for j, e in enumerate(ids_n[t].tolist())
-        )
-        assert torch.allclose(got[t], want, atol=1e-4, rtol=1e-4)
-
-
 @pytest.mark.parametrize("arch", list(MOE_CONFIGS))
 def test_dummy_weights_vary(tmp_path, arch):
     """Dummy MoE weights give varied greedy outputs, as dense dummy models do (test_dummy_weights)."""
@@ -305,25 +283,34 @@ def test_fp8_refused_for_moe(tmp_path, arch):
 
 
 def test_every_expert_path_equals_reference():
-    """The host-sync-free path (CUDA until the fused kernel) computes the reference's sum."""
+    """The host-sync-free slow twin of the CUDA path computes the reference's sum."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(9, 16, generator=gen, dtype=torch.float64)
     w13 = torch.randn(5, 12, 16, generator=gen, dtype=torch.float64)
     w2 = torch.randn(5, 16, 6, generator=gen, dtype=torch.float64)
-    w, ids = _route_reference(torch.randn(9, 5, generator=gen), 2, renormalize=False)
-    assert torch.allclose(_moe_every_expert(x, w13, w2, w, ids), _moe_reference(x, w13, w2, w, ids))
+    w, ids = route_reference(torch.randn(9, 5, generator=gen), 2, renormalize=False)
+    assert torch.allclose(_moe_every_expert(x, w13, w2, w, ids), fused_moe_reference(x, w13, w2, w, ids))
 
 
 # ---- GPU (pytest -m gpu tests/test_moe_models.py) ----------------------------------------
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("triton_ops", [True, False])
 @pytest.mark.parametrize("arch", ["qwen3_moe-norm", "qwen2_moe", "mixtral"])
-def test_gpu_fp32_fast_path_equals_transformers(moe_models, arch):
-    """On CUDA in fp32, decode CUDA graphs, piecewise prefill graphs, the overlap loop and the
-    Triton kernels around the MoE block give transformers' greedy tokens."""
+def test_gpu_fp32_fast_path_equals_transformers(moe_models, arch, triton_ops):
+    """On CUDA in fp32, decode CUDA graphs, piecewise prefill graphs and the overlap loop, with
+    the fused MoE kernels (and the other Triton kernels) or with their torch twins (the
+    every-expert sum), give transformers' greedy tokens."""
     path, reference = moe_models[arch]
-    llm = LLM(str(path), device="cuda", dtype="float32", cuda_graph_max_bs=8, chunked_prefill_size=64)
+    llm = LLM(
+        str(path),
+        device="cuda",
+        dtype="float32",
+        cuda_graph_max_bs=8,
+        chunked_prefill_size=64,
+        switches=KernelSwitches(triton_ops=triton_ops),
+    )
     assert llm.engine.runner.graphs is not None
     assert generate(llm) == reference
     assert_idle(llm)

@@ -5,7 +5,9 @@ expert) and the map from a checkpoint's per-expert tensors to the stacked ones.
 
 Layout: every expert's gate and up rows are stacked into `experts.w13` [E, 2*I, H] (gate rows
 first, then up rows) and its down projection into `experts.w2` [E, H, I], so that one grouped
-kernel (nanoserve/kernels/moe.py) reads any expert by index. Checkpoint tensors arrive one
+kernel (nanoserve/kernels/moe.py) reads any expert by index. On CUDA the router's top-k and the
+experts run the fused Triton kernels (`route`, `fused_moe`; `triton_ops` off: their torch
+twins, the experts as a graph-safe sum over every expert); on CPU the torch references. Checkpoint tensors arrive one
 expert at a time (`shard_id` "gate:e", "up:e", "down:e") and are written into their expert's
 rows as they stream in.
 
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import SINGLE, TPGroup
+from nanoserve.kernels import moe as moe_kernels
 from nanoserve.models.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -41,47 +44,21 @@ from nanoserve.models.model_config import ModelConfig
 MLP_REDUCE_SLOT = 1  # the symmetric-memory slot a dense MLP's down projection writes (decoder.MLP)
 
 
-def _route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights fp32 [T, k], expert ids int32 [T, k]): softmax over the experts in fp32, the k
-    largest, divided by their sum when `renormalize` (as Hugging Face routes)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
-
-
-def _moe_reference(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-) -> torch.Tensor:
-    """sum_k w_k * down_e(silu(gate_e x) * up_e x) for every token x of hidden [T, H], e =
-    topk_ids[t, k]: a loop over the experts that tokens chose (the CPU path)."""
-    out = torch.zeros_like(hidden)
-    inter = w2.shape[2]
-    ids = topk_ids.long()
-    for e in torch.unique(ids).tolist():
-        token, slot = torch.where(ids == e)
-        gate, up = F.linear(hidden[token], w13[e]).split(inter, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[token, slot, None].to(hidden.dtype)
-        out.index_add_(0, token, y)
-    return out
-
-
 def _moe_every_expert(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
-    """The same sum as `_moe_reference` without reading the routing on the host: every expert
+    """The sum of `fused_moe_reference` without reading the routing on the host: every expert
     runs on every token and is weighted by the token's routing weight for it (zero if not
-    chosen). No host synchronisation, so CUDA graphs capture it; E/k times the FLOPs and bytes
-    of the routed experts (the CUDA path until the fused kernel replaces it)."""
-    out = torch.zeros_like(hidden)
+    chosen), summed in fp32 and rounded once. No host synchronisation, so CUDA graphs capture
+    it: the CUDA slow twin of `fused_moe` (`triton_ops` off), at E/k times the routed FLOPs."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     inter = w2.shape[2]
     ids = topk_ids.long()
     for e in range(w13.shape[0]):
-        weight = (topk_weights * (ids == e)).sum(dim=-1, keepdim=True).to(hidden.dtype)
+        weight = (topk_weights.float() * (ids == e)).sum(dim=-1, keepdim=True)
         gate, up = F.linear(hidden, w13[e]).split(inter, dim=-1)
-        out += F.linear(F.silu(gate) * up, w2[e]) * weight
-    return out
+        out += F.linear(F.silu(gate) * up, w2[e]).float() * weight
+    return out.to(hidden.dtype)
 
 
 class Router(nn.Module):
@@ -171,9 +148,13 @@ class SparseMoE(_SwitchedLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         switches = self.switches
         logits = linear(x, self.gate.weight, switches=switches)
-        weights, ids = _route_reference(logits, self.top_k, self.renormalize)
-        experts = _moe_every_expert if x.is_cuda else _moe_reference
-        out = experts(x, self.experts.w13, self.experts.w2, weights, ids)
+        w13, w2 = self.experts.w13, self.experts.w2
+        if x.is_cuda and switches.triton_ops:  # the fused Triton kernels: no host sync, graph-safe
+            weights, ids = moe_kernels.route(logits, self.top_k, self.renormalize)
+            out = moe_kernels.fused_moe(x, w13, w2, weights, ids)
+        else:  # slow twins: the loop over chosen experts on CPU, the graph-safe every-expert sum on CUDA
+            weights, ids = moe_kernels.route_reference(logits, self.top_k, self.renormalize)
+            out = (_moe_every_expert if x.is_cuda else moe_kernels.fused_moe_reference)(x, w13, w2, weights, ids)
         if self.shared_expert is not None:
             gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight, switches=switches))
             out = out + gate * self.shared_expert(x)
