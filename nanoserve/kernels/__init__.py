@@ -10,6 +10,8 @@
 - activation.py: SiLU-and-mul; `silu_and_mul_reference`.
 - all_reduce.py, ll_words.py: the tensor-parallel all-reduce fused with the residual add and
   RMSNorm over symmetric memory, and the LL word format its sends use; `all_reduce_rms_norm_reference`.
+- moe.py: the router's softmax top-k and the fused expert MLPs (decode path, grouped GEMMs over
+  pairs sorted by expert on the device); `route_reference`, `fused_moe_reference`.
 - sampling.py: greedy and temperature sampling in one read of the logits; `sample_reference`.
 - launch.py: Triton's interpreter flag and programmatic dependent launch.
 

@@ -181,7 +181,7 @@ def _fallback_config(T: int, k: int, E: int, decode: bool) -> MoEConfig:
 def get_configs(H: int, inter: int, E: int, T: int, k: int) -> tuple[MoEConfig, MoEConfig]:
     """The (gate_up, down) launch parameters of a shape: the measured table, else the fallback."""
     tuned = TUNED.get((H, inter, E, _bucket(T)))
-    if tuned is not None and not INTERPRET:
+    if tuned is not None:
         return tuned
     cfg = _fallback_config(T, k, E, decode=T * k <= DECODE_MAX_PAIRS)
     return cfg, cfg
