@@ -170,13 +170,17 @@ def test_fused_moe_rejects_bad_shapes():
 
 
 def test_configs_table_then_fallback(monkeypatch):
-    """A shape in TUNED gets its measured entry; any other shape the fallback, without warnings."""
+    """A shape in TUNED gets its measured entry; any other shape the fallback, without
+    warnings; an entry measured on the other path (a bucket across the T*k rule) is not used."""
     tuned = (moe.MoEConfig(64, 128, 64, 4, 3), moe.MoEConfig(64, 64, 128, 8, 4))
     monkeypatch.setitem(moe.TUNED, (4096, 14336, 8, 256), tuned)
     assert moe.get_configs(4096, 14336, 8, 200, 2) == tuned  # 200 tokens fall in the 256 bucket
-    a, b = moe.get_configs(4096, 14336, 8, 1000, 2)
-    assert a == b == moe._fallback_config(1000, 2, 8, decode=False)
-    assert moe.get_configs(2048, 768, 128, 1, 8)[0] == moe._fallback_config(1, 8, 128, decode=True)
+    fallback = moe.get_configs(4096, 14336, 8, 1000, 2)
+    assert fallback == (moe._fallback_config(1000, 2, 8, 14336, False), moe._fallback_config(1000, 2, 8, 4096, False))
+    decode = (moe.MoEConfig(1, 32, 128, 4, 3), moe.MoEConfig(1, 64, 128, 4, 3))
+    monkeypatch.setitem(moe.TUNED, (512, 256, 64, 16), decode)
+    assert moe.get_configs(512, 256, 64, 10, 6) == decode  # 60 pairs: decode
+    assert moe.get_configs(512, 256, 64, 11, 6)[0].block_m > 1  # 66 pairs: grouped, not the decode entry
 
 
 # ---------------------------------------------------------------------------------------------- GPU

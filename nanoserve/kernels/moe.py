@@ -160,14 +160,17 @@ def _bucket(T: int) -> int:
     return triton.next_power_of_2(max(T, 1))
 
 
-def _fallback_config(T: int, k: int, E: int, decode: bool) -> MoEConfig:
-    """Block sizes for an untuned shape. Under the interpreter: the smallest tiles tl.dot
-    takes. Decode: 64 output rows x 128 deep per program (16-byte loads on 4 warps). Grouped:
-    BLOCK_M near the mean rows per expert (T*k/E), so sparse batches pad little."""
+def _fallback_config(T: int, k: int, E: int, N: int, decode: bool) -> MoEConfig:
+    """Block sizes for an untuned GEMM with N output columns. Under the interpreter: the
+    smallest tiles tl.dot takes. Decode: 128 deep per program (16-byte loads on 4 warps) and
+    the widest BLOCK_N that still gives ~512 programs, so a batch of one keeps every SM
+    streaming weights. Grouped: BLOCK_M near the mean rows per expert (T*k/E), so sparse
+    batches pad little."""
     if INTERPRET:
         return MoEConfig(16, 16, 16, 1, 1) if not decode else MoEConfig(1, 16, 32, 1, 1)
     if decode:
-        return MoEConfig(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=3)
+        block_n = next((n for n in (64, 32) if T * k * triton.cdiv(N, n) >= 512), 16)
+        return MoEConfig(block_m=1, block_n=block_n, block_k=128, num_warps=4, num_stages=3)
     rows = T * k / E
     if rows <= 16:
         return MoEConfig(16, 64, 128, 4, 3)
@@ -179,12 +182,14 @@ def _fallback_config(T: int, k: int, E: int, decode: bool) -> MoEConfig:
 
 
 def get_configs(H: int, inter: int, E: int, T: int, k: int) -> tuple[MoEConfig, MoEConfig]:
-    """The (gate_up, down) launch parameters of a shape: the measured table, else the fallback."""
+    """The (gate_up, down) launch parameters of a shape: the measured table's entry when it
+    was measured on the path this T takes (a bucket may straddle the T*k rule), else the
+    fallback. Decode configs have block_m 1."""
+    decode = T * k <= DECODE_MAX_PAIRS
     tuned = TUNED.get((H, inter, E, _bucket(T)))
-    if tuned is not None:
+    if tuned is not None and (tuned[0].block_m == 1) == decode:
         return tuned
-    cfg = _fallback_config(T, k, E, decode=T * k <= DECODE_MAX_PAIRS)
-    return cfg, cfg
+    return _fallback_config(T, k, E, inter, decode), _fallback_config(T, k, E, H, decode)
 
 
 # ----------------------------------------------------------------------------------------------
