@@ -80,6 +80,13 @@ def _check_args(hidden, w13, w2, topk_weights, topk_ids) -> None:
         )
 
 
+def _check_device(x: torch.Tensor, what: str) -> None:
+    if not (x.is_cuda or INTERPRET):
+        raise ValueError(
+            f"{what} runs Triton on CUDA tensors (or under TRITON_INTERPRET=1); on CPU use {what}_reference"
+        )
+
+
 # ----------------------------------------------------------------------------------------------
 # route
 
@@ -115,6 +122,7 @@ def _route_kernel(
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """As `route_reference`, in one Triton launch (one program per token). Ties go to the
     lower expert index (torch.topk leaves their order unspecified)."""
+    _check_device(router_logits, "route")
     if router_logits.dim() != 2 or router_logits.stride(1) != 1:
         raise ValueError("route needs router_logits [T, E] with a dense last dim")
     T, E = router_logits.shape
@@ -414,6 +422,7 @@ def fused_moe(
     `configs` and `path` ("decode" | "grouped") override the table and the T*k rule (the
     tuning script and the tests use them). Per-pair contributions are kept in fp32 and summed
     over k in fp32, so the result is rounded once, as the reference's."""
+    _check_device(hidden, "fused_moe")
     _check_args(hidden, w13, w2, topk_weights, topk_ids)
     if hidden.stride(1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
         raise ValueError("fused_moe needs hidden with a dense last dim and contiguous w13, w2")
