@@ -16,6 +16,8 @@ dequantized again at load (the same rounded weights, activations unquantized). S
 use fewer prompts there for a smoke run.
 
     python benchmarks/fp8_quality.py [--prompts 48] [--new 48] [--device auto]
+
+Not yet measured on a GPU (runs on CPU too, slowly).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def logprob_diffs(ref, other) -> tuple[list[float], int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--prompts", type=int, default=48)

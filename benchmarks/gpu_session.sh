@@ -19,7 +19,7 @@ for s in ${STAGES:-tests offline latency}; do
     tests_kernels) stage tests_kernels 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_decode_kernels.py ;;
     tests_attn) stage tests_attn 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_attention.py ;;
     tests_tp_graphs) stage tests_tp_graphs 240 python -m pytest -m gpu -q -s -p no:cacheprovider tests/test_tp.py -k decode_graphs_match_eager ;;  # 2 GPUs
-    agree) stage agree ${T_AGREE:-400} python benchmarks/greedy_agreement.py ;;
+    agree) stage agree ${T_AGREE:-400} python benchmarks/probes/greedy_agreement.py ;;
     offline) stage offline 150 python benchmarks/offline_throughput.py ;;
     offline_fp8) stage offline_fp8 150 python benchmarks/offline_throughput.py --kv-cache-dtype fp8 ;;
     offline_nofused) stage offline_nofused 150 env NANOSERVE_FUSED_SAMPLER=0 python benchmarks/offline_throughput.py ;;
@@ -31,21 +31,21 @@ for s in ${STAGES:-tests offline latency}; do
     prefix_llama) stage prefix_llama 400 python benchmarks/prefix_cache.py --model llama-3.1-8b ;;
     attention) stage attention 200 python benchmarks/attention.py ;;
     ragged) stage ragged ${T_RAGGED:-300} python benchmarks/attention.py --ragged $RAGGED_ARGS ;;
-    gemm) stage gemm ${T_GEMM:-360} python benchmarks/gemm_decode.py $GEMM_ARGS ;;
-    cascade) stage cascade ${T_CASCADE:-200} python benchmarks/cascade_decode.py $CASCADE_ARGS ;;
+    gemm) stage gemm ${T_GEMM:-360} python benchmarks/probes/gemm_decode.py $GEMM_ARGS ;;
+    cascade) stage cascade ${T_CASCADE:-200} python benchmarks/probes/cascade_decode.py $CASCADE_ARGS ;;
     tests_cascade) stage tests_cascade 300 python -m pytest -m gpu -q -p no:cacheprovider tests/test_cascade.py ;;
     prefix_nocascade) stage prefix_nocascade 300 python benchmarks/prefix_cache.py --model qwen3-0.6b --workloads shared --modes on --no-cascade ;;
     peer) stage peer ${T_PEER:-450} python benchmarks/offline_throughput.py --peer hf ;;
     steps)  # one decode step's graph time per variant: STEP_VARIANTS="A=1,B=0 A=0" (env settings)
       for v in ${STEP_VARIANTS:-default}; do
-        stage "steps[$v]" 120 env $(echo "$v" | tr ',' ' ' | sed 's/^default$//') python benchmarks/microbatch_overlap.py --whole
+        stage "steps[$v]" 120 env $(echo "$v" | tr ',' ' ' | sed 's/^default$//') python benchmarks/probes/microbatch_overlap.py --whole
       done ;;
     latency_qwen) stage latency_qwen 120 python benchmarks/latency.py --models qwen3-0.6b ;;
-    profile) stage profile 400 python benchmarks/profile_offline.py ;;
-    host) stage host ${T_HOST:-200} python benchmarks/host_overhead.py --model ${HOST_MODEL:-qwen3-0.6b} $HOST_ARGS ;;
+    profile) stage profile 400 python benchmarks/probes/profile_offline.py ;;
+    host) stage host ${T_HOST:-200} python benchmarks/probes/host_overhead.py --model ${HOST_MODEL:-qwen3-0.6b} $HOST_ARGS ;;
     spread) stage spread 300 python benchmarks/offline_throughput.py --repeat ${REPEAT:-4} ;;
     sampler) stage sampler_tests ${T_SAMPLER_TESTS:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_sampler.py
-             stage sampler_bench 120 python benchmarks/sampler_bench.py ;;
+             stage sampler_bench 120 python benchmarks/probes/sampler_bench.py ;;
   esac
 done
 grep -E "^=====|tok/s|TPOT|passed|failed|error|identical|x$" $LOG | tail -n 90

@@ -19,6 +19,9 @@ kernel compilation shows). Reported per workload and mode: prompt tokens,
 prefill tokens actually computed, prefix-cache hit rate, output tokens/s and wall time;
 then the on/off throughput ratio. Prints a markdown table and writes it to
 $OUT/prefix_cache.md when OUT is set.
+
+On one H200 (benchmarks/RESULTS.md): shared 2048-token prefixes, cache + cascade on vs off:
+3.16x (qwen3-0.6b) and 4.65x (llama-3.1-8b) the throughput; no sharing: 1.00-1.01x.
 """
 
 from __future__ import annotations

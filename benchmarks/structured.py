@@ -15,7 +15,9 @@ Reported: output tokens actually generated per second (a constrained request may
 early, once its JSON is complete), the ratio to the free run, host time filling masks per
 masked step, and grammar compile time for the schema, cold (a fresh compiler service, its
 tokenizer tables built first and timed apart) and cached.
-Targets (H200, qwen3-0.6b, 64 x 256): all >= 90% of free, half >= 95% of free.
+Targets (H200, qwen3-0.6b, 64 x 256): all >= 90% of free, half >= 95% of free. Measured on one
+H200 (benchmarks/RESULTS.md, 2026-11-25): free ~30k tok/s, all 36.5%, half 57.7% (31-40% with
+the maxLength strings): missed.
 
     python benchmarks/structured.py                      # H200
     python benchmarks/structured.py --model smollm2-135m --load-format auto --device cpu \

@@ -21,7 +21,7 @@ from nanoserve.kernels.attention import gather_kv, store_kv_reference
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     # The attention over the padded block; a subclass may swap in another correct one
-    # (benchmarks/greedy_agreement.py compares two).
+    # (benchmarks/probes/greedy_agreement.py compares two).
     attend = staticmethod(F.scaled_dot_product_attention)
 
     def prepare(self, meta: AttentionMetadata) -> None:

@@ -25,7 +25,7 @@ its request with "stop"; max_tokens before that is "length".
 
 Host cost: in the overlap loop the host prepares step N+1 while the device runs step N, so
 everything `step()` does per request is paid on every step; the decode path keeps it to a
-few passes over the batch (see benchmarks/host_overhead.py for the per-phase figures).
+few passes over the batch (see benchmarks/probes/host_overhead.py for the per-phase figures).
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ class _BatchPlan:
         self.lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         # The fused kernel covers greedy and plain temperature rows; it reads each row's
         # temperature (0 = greedy) from this device tensor. A small all-greedy batch is left
-        # to torch's argmax, which is faster there (H200, benchmarks/sampler_bench.py:
+        # to torch's argmax, which is faster there (H200, benchmarks/probes/sampler_bench.py:
         # batch 1 0.015 ms vs 0.038 fused; batch 64 0.054 vs 0.038; batch-1 TPOT is greedy).
         covered = bool(rows) and not self.penalties and self.masks is None and not self.seeded
         small_greedy = not self.random_rows and len(rows) < FUSED_MIN_GREEDY_ROWS

@@ -84,7 +84,7 @@ DOT_F32 = INTERPRET
 # A decode split never gets fewer tokens than this (a split's fixed cost is its launch slot
 # and the reduce's read of one partial row). 64 = one BLOCK_N tile: at batch 1 a split then
 # runs one tile instead of up to four in a row, and the split kernel took 3.9-4.1 us per
-# layer instead of 8.5-8.6 (H200, benchmarks/profile_decode.py --min-split-tokens 256 64:
+# layer instead of 8.5-8.6 (H200, benchmarks/probes/profile_decode.py --min-split-tokens 256 64:
 # batch-1 decode step 1.109 -> 1.021 ms on qwen3-0.6b, 4.478 -> 4.327 ms on llama-3.1-8b).
 MIN_SPLIT_TOKENS = 16 if INTERPRET else 64
 # Decode programs in launch order (`paged_decode(heads_first=...)`, KernelSwitches'

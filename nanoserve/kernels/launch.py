@@ -15,7 +15,7 @@ is still running. Invariants every such kernel keeps:
   writes are visible, so results never depend on the overlap;
 - `gdc_launch_dependents()` lets the next kernel launch early; that kernel still waits for
   this one to complete in its own `gdc_wait`, so calling it first thing is always safe.
-Measured on an H200 (batch-1 decode step, benchmarks/profile_decode.py --pdl off on): the
+Measured on an H200 (batch-1 decode step, benchmarks/probes/profile_decode.py --pdl off on): the
 decoder's kernels under PDL took qwen3-0.6b 1.003 -> 0.958 ms, llama-3.1-8b 4.363 -> 4.256 ms
 (benchmarks/RESULTS.md).
 """

@@ -374,7 +374,7 @@ def _linear_launches(
     ]
 
 
-# The rule, from `python benchmarks/profile_decode.py --gemv` on an H200 (2026-11-21): for the
+# The rule, from `python benchmarks/probes/profile_decode.py --gemv` on an H200 (2026-11-21): for the
 # decoder shapes of qwen3-0.6b and llama-3.1-8b at M = 1, 2, 4, 8 it timed cuBLAS (F.linear)
 # and a sweep of configs, each inside a CUDA graph of back-to-back calls over weight copies
 # larger than L2 (as decode streams each layer's weights from memory). What it showed:
@@ -387,7 +387,7 @@ def _linear_launches(
 #   elements: qwen3 o_proj), where it is 2.3x slower than the fma kernel with 2-row tiles.
 # - M = 2..8 on vocabulary projections (N >= 65536): the dot kernel beat cuBLAS by 2-4%.
 # - everything else (M = 5..8, M = 2..4 on larger matrices): cuBLAS, by up to 1.25x.
-# M = 9..256, from `python benchmarks/gemm_decode.py --model qwen3` on an H200 (2026-11-21,
+# M = 9..256, from `python benchmarks/probes/gemm_decode.py --model qwen3` on an H200 (2026-11-21,
 # the same timing method; a config sweep at M = 16, 32, 64, 128, 192, 256, then this rule
 # against cuBLAS at M = 16..256 in a second run; cuBLAS takes >= 5.3 us per call however small
 # the matrix). Taken where a config beat cuBLAS by >= 5% in the sweep, generalised by shape:
@@ -406,7 +406,7 @@ def _linear_launches(
 # (K % (split_k * block_k) == 0): no masked tail, every split the same length.
 # FP8 weights (`small_m_linear(w_scale=...)`) take the same rule as bf16 for now: the same
 # kernels stream half the bytes, so where they beat cuBLAS in bf16 they should beat cuBLAS's
-# FP8 path too (to be measured: benchmarks/gemm_decode.py). Block-scaled FP8 has no cuBLAS
+# FP8 path too (to be measured: benchmarks/probes/gemm_decode.py). Block-scaled FP8 has no cuBLAS
 # path: `block_fp8_config` gives its Triton tiles at every M the rule leaves to cuBLAS.
 MAX_M = 256
 _FAST_DTYPES = (torch.bfloat16, torch.float16)

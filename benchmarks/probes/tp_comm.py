@@ -1,6 +1,6 @@
 """What tensor parallelism's communication costs on this machine's GPUs (issue 7).
 
-    python benchmarks/tp_comm.py [--ranks 2] [--hidden 4096]
+    python benchmarks/probes/tp_comm.py [--ranks 2] [--hidden 4096]
 
 One process per GPU, joined as the engine's ranks are (nanoserve.distributed.process_group:
 NCCL default group, gloo control group). It prints what one decode step pays, to decide
@@ -19,10 +19,16 @@ how the step is sent and how the row-parallel sums are reduced:
 
 These are each operation alone, back to back in a graph; inside a decode step the same
 collectives cost differently (2 x H200: an NCCL fp32 all-reduce of one row took 6.3 us in
-the step against 23 us here). benchmarks/tp_profile.py measures them in the step.
+the step against 23 us here). benchmarks/probes/tp_profile.py measures them in the step.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benchmarks/ for shared helpers
 
 import argparse
 import os

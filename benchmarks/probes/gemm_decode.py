@@ -1,8 +1,8 @@
 """Decode-GEMM benchmark (run on a GPU machine): cuBLAS vs cuBLASLt vs the engine's Triton kernels.
 
-    PYTHONUNBUFFERED=1 python benchmarks/gemm_decode.py [--model qwen3|llama] [--ms 16 32 ...]
+    PYTHONUNBUFFERED=1 python benchmarks/probes/gemm_decode.py [--model qwen3|llama] [--ms 16 32 ...]
         [--shapes qkv lm_head] [--full] [--no-sweep] [--jobs 16]
-    TRITON_INTERPRET=1 python benchmarks/gemm_decode.py --smoke     # CPU check of the kernels
+    TRITON_INTERPRET=1 python benchmarks/probes/gemm_decode.py --smoke     # CPU check of the kernels
 
 For each weight shape [N, K] (bf16) of a model's decoder layer and LM head and each decode
 batch M, times y = x W^T per call, as the engine runs it: inside a CUDA graph of back-to-back
@@ -30,11 +30,16 @@ repeat runs bit-identical, and the sweep's config counts.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benchmarks/ for shared helpers
+
 import argparse
 import itertools
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,8 +49,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 import triton
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attention import copy_ceiling, graph_ms
 
 from nanoserve.kernels import linear as triton_ops

@@ -5,10 +5,16 @@ llguidance: compile time of a few grammars cold (a fresh compiler) and cached (t
 again), and the per-token time to fill the next-token bitmask while walking a valid output
 token by token. Prints one table; the choice and the numbers are in benchmarks/RESULTS.md.
 
-    python benchmarks/grammar_libs.py
+    python benchmarks/probes/grammar_libs.py
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benchmarks/ for shared helpers
 
 import json
 import statistics

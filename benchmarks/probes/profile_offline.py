@@ -11,18 +11,23 @@ profiler (the reference wall time), then again under torch.profiler with CUDA ac
   one after sampling (its kernels and any idle time while the host launches them), by
   decode batch-size bucket and for prefill / mixed steps.
 
-    python benchmarks/profile_offline.py [--model qwen3-0.6b] [--trace FILE.json]
-    python benchmarks/profile_offline.py --smoke   # CPU: tiny model, 4 sequences, CPU ops
+    python benchmarks/probes/profile_offline.py [--model qwen3-0.6b] [--trace FILE.json]
+    python benchmarks/probes/profile_offline.py --smoke   # CPU: tiny model, 4 sequences, CPU ops
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benchmarks/ for shared helpers
 
 import argparse
 import re
 import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile

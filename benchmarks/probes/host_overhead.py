@@ -17,7 +17,7 @@ take less than the GPU step time (about 3.5 ms for qwen3-0.6b at batch 256 on an
 the GPU waits. What a GPU adds per torch op (kernel launch, copy call) is not in these
 times: `--count-ops` counts the torch ops of a decode step instead.
 
-    python benchmarks/host_overhead.py [--output-scale 1.0] [--profile] [--count-ops] [--no-graphs]
+    python benchmarks/probes/host_overhead.py [--output-scale 1.0] [--profile] [--count-ops] [--no-graphs]
 
 `--model qwen3-0.6b` times the same phases on the real engine instead (dummy weights, the
 default device): on a GPU that is the offline benchmark itself, and `gpu wait` (the host
@@ -33,6 +33,12 @@ token pool), process (LLMEngine._process: tokens to host, stop checks, updates),
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benchmarks/ for shared helpers
+
 import argparse
 import cProfile
 import functools
@@ -44,7 +50,6 @@ import random
 import tempfile
 import time
 from collections import Counter, defaultdict
-from pathlib import Path
 
 import torch
 from offline_throughput import GCTimer

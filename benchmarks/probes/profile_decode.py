@@ -1,8 +1,8 @@
 """Where batch-1 decode time goes on the GPU, and what the Triton decode kernels buy.
 
-    python benchmarks/profile_decode.py [--models qwen3-0.6b llama-3.1-8b] [--ops off on]
-    python benchmarks/profile_decode.py --gemv [--gemv-models ...] [--json FILE]
-    python benchmarks/profile_decode.py --host [--models qwen3-0.6b]
+    python benchmarks/probes/profile_decode.py [--models qwen3-0.6b llama-3.1-8b] [--ops off on]
+    python benchmarks/probes/profile_decode.py --gemv [--gemv-models ...] [--json FILE]
+    python benchmarks/probes/profile_decode.py --host [--models qwen3-0.6b]
 
 Default: for each model and each setting of the Triton decode kernels (nanoserve/kernels,
 KernelSwitches.triton_ops): a batch-1 request (128-token prompt, greedy) decodes from the captured
@@ -29,6 +29,12 @@ eager GPU kernels) on one model.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benchmarks/ for shared helpers
+
 import argparse
 import cProfile
 import io
@@ -37,20 +43,16 @@ import math
 import pstats
 import random
 import statistics
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from latency import batch1_graph_ms
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.kernels import attention as tk
 from nanoserve.switches import KernelSwitches
-
-sys.path.insert(0, str(Path(__file__).parent))
-from latency import batch1_graph_ms
 
 PROMPT = [(7 * i + 3) % 10000 for i in range(128)]
 

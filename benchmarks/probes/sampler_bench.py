@@ -5,10 +5,16 @@ greedy or all at temperature 0.6: mean ms per `Sampler.sample` call (the batch p
 cached, as in a decode step), timed with CUDA events over back-to-back calls, and the
 fused kernel's read rate of the logits. Greedy tokens of both paths are checked equal.
 
-    python benchmarks/sampler_bench.py [--batch 1 64 256] [--vocab 151936]
+    python benchmarks/probes/sampler_bench.py [--batch 1 64 256] [--vocab 151936]
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benchmarks/ for shared helpers
 
 import argparse
 

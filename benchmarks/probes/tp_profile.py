@@ -1,7 +1,7 @@
 """Where a tensor-parallel decode step's time goes, on rank 0's GPU (issue 7).
 
-    python benchmarks/tp_profile.py --model llama-3.1-8b [--tp 2] [--batches 1 256] [--with-tp1]
-    python benchmarks/tp_profile.py --runs 1 2 1:NANOSERVE_GEMV_PREFETCH_MB=16 2:NANOSERVE_GEMV_PREFETCH_MB=16
+    python benchmarks/probes/tp_profile.py --model llama-3.1-8b [--tp 2] [--batches 1 256] [--with-tp1]
+    python benchmarks/probes/tp_profile.py --runs 1 2 1:NANOSERVE_GEMV_PREFETCH_MB=16 2:NANOSERVE_GEMV_PREFETCH_MB=16
 
 Each run is its own process: by default TP=N as the environment says (the decode sums
 fused with their RMSNorm over symmetric memory), TP=N with NCCL only
@@ -19,15 +19,17 @@ with them): teardown is not what is measured here.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benchmarks/ for shared helpers
+
 import argparse
 import json
 import os
 import subprocess
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 PROMPT_LEN, WARM_STEPS, PROFILE_STEPS = 128, 6, 10
 

@@ -1,6 +1,6 @@
 """SiLU-and-mul and the decode MLP (run on a GPU machine): the Triton kernels vs the torch path.
 
-    PYTHONUNBUFFERED=1 python benchmarks/silu_mlp_bench.py [--ms 16 64 128 256] [--inter 3072]
+    PYTHONUNBUFFERED=1 python benchmarks/probes/silu_mlp_bench.py [--ms 16 64 128 256] [--inter 3072]
 
 Two timings per decode batch M, each inside a CUDA graph of back-to-back calls (median of 20
 replays, `attention.graph_ms`), as the engine replays decode:
@@ -17,15 +17,17 @@ Also printed: how many bf16 outputs of the Triton SiLU differ from the eager tor
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benchmarks/ for shared helpers
+
 import argparse
 import math
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attention import graph_ms
 
 from nanoserve.kernels import activation, linear

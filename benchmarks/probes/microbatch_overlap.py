@@ -1,6 +1,6 @@
 """Two-stream micro-batch experiment (run on a GPU machine):
 
-    PYTHONUNBUFFERED=1 python benchmarks/microbatch_overlap.py [--model qwen3-0.6b] [--steps 0 300 600 800]
+    PYTHONUNBUFFERED=1 python benchmarks/probes/microbatch_overlap.py [--model qwen3-0.6b] [--steps 0 300 600 800]
 
 Question: does a decode step run faster when its batch is cut in two halves whose forwards
 run on two CUDA streams inside one graph? Decode attention is bandwidth-bound over all SMs
@@ -31,15 +31,17 @@ environment setting); `--profile` prints one layer's kernel timeline per step in
 
 from __future__ import annotations
 
-import argparse
-import os
-import random
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benchmarks/ for shared helpers
+
+import argparse
+import random
 from dataclasses import dataclass
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attention import workload_batches
 
 from nanoserve.attention.base import AttentionMetadata, ForwardBatch

@@ -11,19 +11,22 @@ runs part, it prints the position and each run's logprob gap between the two tok
 also counts outputs that repeat a single token after their first (the dummy model's
 greedy outputs often do).
 
-    python benchmarks/greedy_agreement.py [--dtypes bfloat16 float32] [--prompts 32] [--new 64]
+    python benchmarks/probes/greedy_agreement.py [--dtypes bfloat16 float32] [--prompts 32] [--new 64]
 """
 
 from __future__ import annotations
 
-import argparse
-import itertools
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benchmarks/ for shared helpers
+
+import argparse
+import itertools
+
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: its tests
 from nanoserve import LLM, SamplingParams
 from nanoserve.attention.torch_backend import TorchAttentionBackend
 from tests.test_gpu_fastpath import make_prompts  # the test's prompts, not a copy of them

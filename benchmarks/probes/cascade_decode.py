@@ -1,6 +1,6 @@
 """Cascade decode attention against plain decode (run on a GPU machine).
 
-    python benchmarks/cascade_decode.py [--sweep]
+    python benchmarks/probes/cascade_decode.py [--sweep]
 
 One layer's decode attention for a batch whose requests share prefixes in groups (the
 prefix cache's pages, the same page ids in every member's table), bf16, page_size 16,
@@ -14,17 +14,20 @@ over its time. `--sweep` also times the prefix kernel's launch configs on the fi
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benchmarks/ for shared helpers
+
 import argparse
 import itertools
-import os
-import sys
 import time
 
 import numpy as np
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nanoserve.attention.base import CascadeInputs
 from nanoserve.attention.cascade import MAX_CASCADE_PARTS, max_cascade_items, plan_cascade
 from nanoserve.kernels import attention as tk

@@ -1,7 +1,7 @@
 """FP8-weight GEMMs against bf16 (run on a GPU machine): the data for the FP8 per-shape rule.
 
-    PYTHONUNBUFFERED=1 python benchmarks/fp8_gemm.py [--models llama qwen3_8b] [--ms 1 2 4 8 16 64 256 2048]
-    TRITON_INTERPRET=1 python benchmarks/fp8_gemm.py --smoke      # CPU: every method against the reference
+    PYTHONUNBUFFERED=1 python benchmarks/probes/fp8_gemm.py [--models llama qwen3_8b] [--ms 1 2 4 8 16 64 256 2048]
+    TRITON_INTERPRET=1 python benchmarks/probes/fp8_gemm.py --smoke      # CPU: every method against the reference
 
 For each decoder-layer weight shape [N, K] and batch M, the time per call of y = x W^T as the
 engine runs decode: inside one CUDA graph of back-to-back calls rotating over weight copies
@@ -20,13 +20,15 @@ the fastest FP8 method.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benchmarks/ for shared helpers
+
+import argparse
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nanoserve.kernels import fp8 as kfp8
 from nanoserve.kernels import linear as klinear
