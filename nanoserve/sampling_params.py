@@ -15,19 +15,41 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True)
+class ReasoningGate:
+    """Where a reasoning model's thinking lies in its output, so that a constraint applies to
+    the answer only: the thinking runs from `start_token` (or from the first output token when
+    `starts_open`, as when the chat template already opened it) up to and including
+    `end_token`. Without `starts_open` the output may begin with `start_token` or go straight
+    to the answer. Single token ids: the markers must be single tokens of the vocabulary."""
+
+    start_token: int
+    end_token: int
+    starts_open: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("start_token", "end_token"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ReasoningGate.{name} must be a token id >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
 class StructuredOutputs:
     """Constrain the output: exactly one of
     json: a JSON Schema (dict or its JSON text) the output must be an instance of;
     regex: a regular expression the whole output must match;
     choice: the output is exactly one of these strings;
     grammar: an EBNF grammar (xgrammar's GBNF dialect, start rule `root`);
-    json_object: True for any JSON object."""
+    json_object: True for any JSON object.
+    `after_reasoning` (optional) leaves a reasoning model's thinking unconstrained: the
+    constraint starts after it (it is not part of the constraint's identity, `key()`)."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    after_reasoning: ReasoningGate | None = None
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -55,6 +77,8 @@ class StructuredOutputs:
             object.__setattr__(self, "choice", tuple(self.choice))
         if not isinstance(self.json_object, bool):
             raise ValueError("StructuredOutputs.json_object must be a bool")  # noqa: TRY004 - ValueError names the field everywhere
+        if self.after_reasoning is not None and not isinstance(self.after_reasoning, ReasoningGate):
+            raise ValueError("StructuredOutputs.after_reasoning must be a ReasoningGate or None")
 
     @property
     def kind(self) -> str:

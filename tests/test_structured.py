@@ -19,6 +19,7 @@ import torch
 from nanoserve import LLM, SamplingParams, StructuredOutputs
 from nanoserve.engine.sampler import Sampler, SampleRow
 from nanoserve.kernels.sampling import apply_token_bitmask
+from nanoserve.sampling_params import ReasoningGate
 from nanoserve.structured import GrammarError, GrammarMatcher, live_matchers, tool_call_constraint
 
 SCHEMA = {
@@ -150,6 +151,46 @@ def test_preemption_keeps_the_grammar_state():
         assert_idle(small)
     finally:
         small.shutdown()
+
+
+CHOICES = ["positive", "negative", "neutral"]
+
+
+def _first_new(tokens: list[int], at_least: int) -> int:
+    """The first index >= at_least whose token did not occur before it."""
+    return next(i for i in range(at_least, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_reasoning_gate_leaves_the_thinking_free(llm, overlap):
+    """With a ReasoningGate the thinking is the free run's (greedy), the grammar starts after
+    its end token; a gated output that does not open the thinking is constrained at once."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    (free,) = llm.generate([PROMPT], greedy, use_tqdm=False)
+    free = free.outputs[0].token_ids
+    end = _first_new(free, 4)  # the "</think>" of this test: the 5th free token or a later new one
+
+    def gated(gate: ReasoningGate) -> SamplingParams:
+        return SamplingParams(
+            temperature=0, max_tokens=40, structured_outputs=StructuredOutputs(choice=CHOICES, after_reasoning=gate)
+        )
+
+    params = [
+        gated(ReasoningGate(start_token=free[0], end_token=free[end], starts_open=True)),  # opened by the prompt
+        gated(ReasoningGate(start_token=free[0], end_token=free[end])),  # the output opens it
+        gated(ReasoningGate(start_token=llm.tokenizer.vocab_size - 1, end_token=free[end])),  # never opened
+    ]
+    llm.engine.overlap = overlap
+    try:
+        outs = [o.outputs[0] for o in llm.generate([PROMPT] * 3, params, use_tqdm=False)]
+    finally:
+        llm.engine.overlap = False
+    for out in outs[:2]:
+        assert out.token_ids[: end + 1] == free[: end + 1], "the thinking was constrained"
+        assert llm.tokenizer.decode(out.token_ids[end + 1 :], skip_special_tokens=True) in CHOICES
+        assert out.finish_reason == "stop"
+    assert outs[2].text in CHOICES and outs[2].finish_reason == "stop"
+    assert_idle(llm)
 
 
 def test_abort_frees_the_matcher(llm):

@@ -242,7 +242,7 @@ class LLMEngine:
             if compiled is None:
                 still.append((req, pending))
                 continue
-            req.matcher = GrammarMatcher(compiled)
+            req.matcher = GrammarMatcher(compiled, req.params.structured_outputs.after_reasoning)
             self.num_constrained += 1
             self.scheduler.add(req)
         self._compiling = still
@@ -405,7 +405,9 @@ class LLMEngine:
         step that used it were waited for before this step's masks (see `step`)."""
         started = time.perf_counter()
         words = bitmask_words(vocab)
-        rows = [i for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None]
+        rows = [
+            i for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None and r.matcher.needs_mask
+        ]
         host = self._mask_host
         if host is None or host.shape[0] < len(rows) or host.shape[1] != words:
             size = max(len(rows), 2 * (host.shape[0] if host is not None else 8))

@@ -1,7 +1,10 @@
 """The grammar state of one constrained sample, and the host bitmask its masks go into.
 
 Owns `GrammarMatcher`: wraps an xgrammar matcher for one request (one per sample: forks of
-an n > 1 request get their own), counting the output tokens it has accepted.
+an n > 1 request get their own), counting the output tokens it has accepted. With a
+`ReasoningGate` it passes a reasoning model's thinking through unconstrained and starts the
+grammar after the thinking's end token (phases: undecided -> thinking -> answer, or
+undecided -> answer when the output does not begin with the start token).
 
 Invariants:
 - `num_accepted` output tokens of the request have been accepted, in order, and no other
@@ -9,7 +12,9 @@ Invariants:
   it, and fills the next mask only after that;
 - a mask row has bit j of word i set iff token 32 * i + j may come next (int32 words, the
   layout of nanoserve.kernels.sampling's bitmask input); stop tokens are allowed only where
-  the grammar can end;
+  the grammar can end; while thinking (`needs_mask` False) no row is filled: every token may
+  come; before the first token of a gated request the start token is allowed besides the
+  grammar's;
 - `live_matchers()` counts matchers still referenced anywhere: 0 once every constrained
   request has finished (tests assert it).
 """
@@ -20,6 +25,8 @@ import weakref
 
 import torch
 import xgrammar as xgr
+
+from nanoserve.sampling_params import ReasoningGate
 
 _live: weakref.WeakSet = weakref.WeakSet()
 
@@ -41,43 +48,72 @@ def fill_masks(matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None:
     few, where one at a time it took longer than the forward it hides behind (RESULTS.md,
     2026-11-25 structured outputs). The rows equal `fill_mask`'s, one matcher at a time."""
     global _batch
+    if not matchers:
+        return
     if len(matchers) == 1:
         matchers[0].fill_mask(bitmask, 0)
         return
     if _batch is None:
         _batch = xgr.BatchGrammarMatcher("auto")
     _batch.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask)
+    for row, m in enumerate(matchers):
+        if m.phase == _UNDECIDED:
+            _allow(bitmask, row, m.gate.start_token)
+
+
+_UNDECIDED, _THINKING, _ANSWER = "undecided", "thinking", "answer"
+
+
+def _allow(bitmask: torch.Tensor, row: int, token: int) -> None:
+    word, bit = divmod(token, 32)
+    value = int(bitmask[row, word]) | (1 << bit)
+    bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value  # as an int32
 
 
 class GrammarMatcher:
-    def __init__(self, compiled: xgr.CompiledGrammar):
+    def __init__(self, compiled: xgr.CompiledGrammar, gate: ReasoningGate | None = None):
         self.compiled = compiled  # kept to build fresh matchers for forks
+        self.gate = gate
         self._matcher = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0
+        if gate is None:
+            self.phase = _ANSWER
+        else:
+            self.phase = _THINKING if gate.starts_open else _UNDECIDED
         _live.add(self)
 
     def fork(self) -> GrammarMatcher:
         """A matcher in the start state for another sample of the same request (forks are
         made before any output token, so the start state is the right one)."""
-        return GrammarMatcher(self.compiled)
+        return GrammarMatcher(self.compiled, self.gate)
+
+    @property
+    def needs_mask(self) -> bool:
+        """False while thinking: the next token is free."""
+        return self.phase != _THINKING
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False (state unchanged) if the grammar does not allow it."""
-        if not self._matcher.accept_token(token):
-            return False
+        if self.phase == _THINKING:
+            if token == self.gate.end_token:
+                self.phase = _ANSWER
+        elif self.phase == _UNDECIDED and token == self.gate.start_token:
+            self.phase = _THINKING
+        else:
+            if not self._matcher.accept_token(token):
+                return False
+            self.phase = _ANSWER
         self.num_accepted += 1
         return True
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into `bitmask[row]` (an int32 CPU tensor)."""
+        """Write the allowed next tokens into `bitmask[row]` (an int32 CPU tensor); only
+        called while `needs_mask`."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self.phase == _UNDECIDED:
+            _allow(bitmask, row, self.gate.start_token)
 
     @property
     def is_terminated(self) -> bool:
         """The grammar has ended (it accepted a stop token): nothing may follow."""
-        return self._matcher.is_terminated()
-
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` accepted tokens (for speculative or dropped tokens)."""
-        self._matcher.rollback(num_tokens)
-        self.num_accepted -= num_tokens
+        return self.phase == _ANSWER and self._matcher.is_terminated()
