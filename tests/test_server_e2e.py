@@ -154,17 +154,6 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def greedy(client):
     """The greedy completion of PROMPT, the reference several tests compare against."""
     return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
@@ -355,7 +344,14 @@ BAD = [
         400,
         "messages[0].content",
     ),
-    ("chat tools", "/v1/chat/completions", {"messages": _MSG, "tools": [{"type": "function"}]}, None, 400, "tools"),
+    (
+        "chat tool without a function",
+        "/v1/chat/completions",
+        {"messages": _MSG, "tools": [{"type": "function"}]},
+        None,
+        400,
+        "tools[0].function",
+    ),
     (
         "chat top_logprobs without logprobs",
         "/v1/chat/completions",

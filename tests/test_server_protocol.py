@@ -48,22 +48,81 @@ def test_completion_rejects(body, param):
     assert p.error_body(err)["error"]["param"] == param
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+FN_CALL = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def named_choice(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
 @pytest.mark.parametrize(
     "body,param",
     [
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
+        ({"messages": [{"role": "tool", "content": "22 C"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "assistant"}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "c", "function": FN_CALL}]}]},
+            "messages[0].tool_calls",
+        ),
         (
             {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
             "response_format.type",
         ),
-        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": named_choice("other")},
+            "tool_choice",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]}, None),
+        ({"messages": [{"role": "user", "content": "x"}], "store": True}, "store"),
+        ({"messages": [{"role": "user", "content": "x"}], "service_tier": "flex"}, "service_tier"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_chat_rejects(body, param):
-    assert error_of(p.ChatCompletionRequest, body).param == param
+    err = error_of(p.ChatCompletionRequest, body)
+    assert err.status == 400
+    if param is not None:
+        assert err.param == param
+
+
+def test_chat_accepts_openai_fields_at_neutral_values():
+    req = parse(
+        p.ChatCompletionRequest,
+        {
+            "messages": [
+                {"role": "user", "content": "weather?", "name": "bob"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c1", "type": "function", "function": FN_CALL}],
+                },
+                {"role": "tool", "content": "22 C", "tool_call_id": "c1"},
+            ],
+            "tools": [TOOL],
+            "tool_choice": "auto",
+            "parallel_tool_calls": False,
+            "user": "u1",
+            "metadata": {"k": "v"},
+            "store": False,
+            "service_tier": "auto",
+        },
+    )
+    assert req.calls_tools and req.forced_functions() is None
+    messages = req.template_messages()
+    assert messages[0]["name"] == "bob"
+    assert messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    assert messages[2] == {"role": "tool", "content": "22 C", "tool_call_id": "c1"}
+    named = parse(
+        p.ChatCompletionRequest, {"messages": messages[:1], "tools": [TOOL], "tool_choice": named_choice("get_weather")}
+    )
+    assert [f["name"] for f in named.forced_functions()] == ["get_weather"]
+    none = parse(p.ChatCompletionRequest, {"messages": messages[:1], "tools": [TOOL], "tool_choice": "none"})
+    assert not none.calls_tools
 
 
 def test_malformed_json_and_error_body_shape():

@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -34,11 +35,11 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.server import protocol as p
+from nanoserve.server.chat_features import ChatFeatures, ChoiceDelta
 from nanoserve.server.generation import Generation, SampleDelta
 from nanoserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 
@@ -57,6 +58,11 @@ class ServerState:
     grammars: object | None = None  # nanoserve.structured.GrammarService, made on first use
     watchdog_timeout_s: float = 60.0  # /health is 503 while the engine has work but no step for this long
     allowed_origins: list[str] | None = None  # CORS origins ("*" for any); None: no CORS headers
+    chat: ChatFeatures | None = None  # template, tool and reasoning parsers; default: the tokenizer's template only
+
+    def __post_init__(self):
+        if self.chat is None:
+            self.chat = ChatFeatures(self.tokenizer)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -433,41 +439,43 @@ def build_app(state: ServerState) -> FastAPI:
             )
         return {"content": content}
 
-    def chat_prompt(req: p.ChatCompletionRequest) -> list[int]:
-        tokenizer = need_tokenizer("messages")
-        if not getattr(tokenizer, "chat_template", None):
-            raise p.bad_request("this model has no chat template: use /v1/completions", "messages", "no_chat_template")
-        try:
-            text = tokenizer.apply_chat_template(
-                req.template_messages(), tokenize=False, add_generation_prompt=req.add_generation_prompt
-            )
-        except (TemplateError, ValueError, TypeError) as exc:  # templates raise on role orders they refuse
-            raise p.bad_request(f"the chat template refused these messages: {exc}", "messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)
+    def chat_prompt(req: p.ChatCompletionRequest) -> tuple[str, list[int]]:
+        text = state.chat.prompt(req)
+        return text, state.tokenizer.encode(text, add_special_tokens=False)
+
+    def constraint_param(req: p.ChatCompletionRequest) -> str:
+        if req.calls_tools and req.forced_functions() is not None:
+            return "tool_choice"
+        return "response_format" if req.response_format is not None else "structured_outputs"
 
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = p.parse(p.ChatCompletionRequest, await request.body())
         check_model(req.model)
-        ids = chat_prompt(req)
+        prompt_text, ids = chat_prompt(req)
         was_sent = bool({"max_tokens", "max_completion_tokens"} & req.model_fields_set)
         max_tokens = resolve_max_tokens([ids], req.requested_max_tokens, was_sent, "messages")
         params = sampling_params(req, max_tokens)
-        await check_grammar(params, "response_format" if req.response_format is not None else "structured_outputs")
+        params = dataclasses.replace(params, structured_outputs=state.chat.constraint(req, prompt_text))
+        await check_grammar(params, constraint_param(req))
+        outputs = [state.chat.output(req, prompt_text) for _ in range(req.n)]
         gen = await start([ids], params, "messages")
         rid, created, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.n
 
         if not req.stream:
             choices = _choices(await _collect(gen, request), n, 1)
-            out = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": ch.text},
-                    "logprobs": chat_logprobs(ch.logprobs) if req.logprobs else None,
-                    "finish_reason": ch.finish_reason,
-                }
-                for i, ch in enumerate(choices)
-            ]
+            out = []
+            for i, ch in enumerate(choices):
+                whole = outputs[i].feed(ch.text)
+                whole += outputs[i].finish()
+                out.append(
+                    {
+                        "index": i,
+                        "message": outputs[i].message(whole),
+                        "logprobs": chat_logprobs(ch.logprobs) if req.logprobs else None,
+                        "finish_reason": outputs[i].finish_reason(ch.finish_reason),
+                    }
+                )
             return {
                 "id": rid,
                 "object": "chat.completion",
@@ -504,14 +512,24 @@ def build_app(state: ServerState) -> FastAPI:
                     **extra,
                 )
             async for d in gen.deltas():
-                if not (d.text or d.finish_reason or d.logprobs or state.tokenizer is None):
-                    continue
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                output = outputs[d.index]
+                piece = output.feed(d.text) if d.text else ChoiceDelta()
+                if d.finish_reason is not None:
+                    piece += output.finish()
+                delta = {}
+                if piece.reasoning:
+                    delta["reasoning_content"] = piece.reasoning
+                if piece.content:
+                    delta["content"] = piece.content
+                if piece.calls:
+                    first = output.num_calls - len(piece.calls)
+                    delta["tool_calls"] = [{"index": first + k, **c.to_openai()} for k, c in enumerate(piece.calls)]
+                if not (delta or d.finish_reason or d.logprobs):
+                    continue  # text held back (partial character, stop string, marker or tool call)
                 lps = chat_logprobs(d.logprobs) if req.logprobs and d.logprobs else None
                 last = {"usage": gen.usage} if gen.finished and not req.include_usage else extra
-                yield chunk(
-                    [{"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}], **last
-                )
+                reason = output.finish_reason(d.finish_reason)
+                yield chunk([{"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": reason}], **last)
             if req.include_usage:
                 yield chunk([], usage=gen.usage)
 
@@ -588,7 +606,7 @@ def build_app(state: ServerState) -> FastAPI:
         if req.prompt is not None:
             ids = need_tokenizer("prompt").encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            ids = chat_prompt(p.ChatCompletionRequest(messages=req.messages))
+            _, ids = chat_prompt(req.chat_request())
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     app.include_router(v1)

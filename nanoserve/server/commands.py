@@ -10,6 +10,9 @@ import argparse
 
 from nanoserve.config import add_engine_args, engine_config_from_args
 from nanoserve.models.registry import DEFAULT_MODEL
+from nanoserve.server.chat_features import ChatOptions
+from nanoserve.server.reasoning import FORMATS as REASONING_FORMATS
+from nanoserve.server.tool_parsers import FORMATS as TOOL_FORMATS
 from nanoserve.switches import api_key_from_env
 
 
@@ -54,6 +57,22 @@ def register(subparsers) -> None:
         default=None,
         metavar="ORIGINS",
         help="enable CORS for these comma-separated origins ('*' for any; default: CORS off)",
+    )
+    g = serve.add_argument_group("chat")
+    g.add_argument(
+        "--chat-template", default=None, metavar="FILE", help="a Jinja chat template to use instead of the model's"
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_FORMATS),
+        default=None,
+        help="parse tool calls in this format (needed for tool_choice 'auto'; 'required' and named ones use hermes without it)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_FORMATS),
+        default=None,
+        help="return <think>...</think> as reasoning_content; constraints then apply after the thinking",
     )
     serve.set_defaults(func=_serve)
 
@@ -101,6 +120,11 @@ def _serve(args: argparse.Namespace) -> int:
             watchdog_timeout_s=args.watchdog_timeout,
             allowed_origins=tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()),
         )
+        chat = ChatOptions(
+            chat_template=_read_template(args.chat_template),
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+        )
     except ValueError as exc:
         raise SystemExit(f"nanoserve serve: {exc}") from None
     if config.node_rank > 0:  # multi-host tensor parallelism: this host runs worker ranks only
@@ -116,7 +140,18 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         show_examples=args.show_examples,
         limits=limits,
+        chat=chat,
     )
+
+
+def _read_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"--chat-template: cannot read {path}: {exc.strerror}") from None
 
 
 def _chat(args: argparse.Namespace) -> int:

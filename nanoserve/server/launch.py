@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from nanoserve.server.app import ServerState, build_app
+from nanoserve.server.chat_features import ChatFeatures, ChatOptions
 from nanoserve.server.engine_client import EngineClient, EngineStartError
 from nanoserve.server.metrics import ServerMetrics
 
@@ -93,6 +94,7 @@ def run_server(
     engine_factory: str | None = None,
     show_examples: bool = False,
     limits: ServerLimits | None = None,
+    chat: ChatOptions | None = None,
 ) -> int:
     """Serve until a signal (exit code 0) or until the engine dies or fails to load (code 1)."""
     setup_logging()
@@ -103,7 +105,16 @@ def run_server(
         return 1
     try:
         return asyncio.run(
-            _serve(config, served_name, sock, api_key, engine_factory, show_examples, limits or ServerLimits())
+            _serve(
+                config,
+                served_name,
+                sock,
+                api_key,
+                engine_factory,
+                show_examples,
+                limits or ServerLimits(),
+                chat or ChatOptions(),
+            )
         )
     finally:
         sock.close()
@@ -139,6 +150,7 @@ async def _serve(
     engine_factory,
     show_examples: bool,
     limits: ServerLimits,
+    chat: ChatOptions,
 ) -> int:
     loop = asyncio.get_running_loop()
     client = EngineClient(
@@ -175,6 +187,11 @@ async def _serve(
         except asyncio.CancelledError:
             return 0
 
+        try:
+            features = ChatFeatures(info.tokenizer, chat)
+        except ValueError as exc:
+            logger.error("%s", exc)
+            return 1
         state = ServerState(
             client=client,
             served_name=served_name,
@@ -185,6 +202,7 @@ async def _serve(
             api_key=api_key,
             watchdog_timeout_s=limits.watchdog_timeout_s,
             allowed_origins=list(limits.allowed_origins) or None,
+            chat=features,
         )
         uv_config = uvicorn.Config(
             build_app(state),

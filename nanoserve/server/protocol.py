@@ -3,7 +3,7 @@
 Validation happens here, at the edge, and is strict: wrong JSON types are not coerced, values
 out of range are refused, and every field is either honoured by the engine or rejected with a
 400 that names it. Unknown fields are refused (extra="forbid"); OpenAI fields we know but cannot
-honour (tools, logit_bias, suffix, ...) are listed explicitly so the message says why.
+honour (logit_bias, suffix, store, ...) are listed explicitly so the message says why.
 
 Invariants:
 - A request model that validates converts to a `SamplingParams` (`to_sampling_params`); any
@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -267,9 +268,26 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+
+
+class ToolCallMessagePart(_Strict):
+    """A tool call of an earlier assistant message, sent back by the client."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant message with tool_calls
+    name: str | None = None  # a participant's name; templates that know it show it
+    tool_calls: list[ToolCallMessagePart] | None = None  # assistant only
+    tool_call_id: str | None = None  # tool only: the call this message answers
+    reasoning_content: str | None = None  # an earlier reply's thinking: accepted, not shown to the model
 
     @field_validator("content", mode="before")
     @classmethod
@@ -281,9 +299,66 @@ class ChatMessage(_Strict):
         return value
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def check(self, i: int) -> None:
+        """The rules pydantic's types cannot say, with the offending field as param."""
+        where = f"messages[{i}]"
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise bad_request(f"Missing required field '{where}.content'", f"{where}.content", "missing_field")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise bad_request("only assistant messages carry tool_calls", f"{where}.tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise bad_request("a tool message needs the tool_call_id it answers", f"{where}.tool_call_id")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise bad_request("only tool messages carry tool_call_id", f"{where}.tool_call_id")
+
+    def template_message(self) -> dict:
+        """This message as chat templates expect it ("developer" is OpenAI's newer name for
+        "system"; tool-call arguments as objects, which templates render with tojson)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _args(c)}}
+                for c in self.tool_calls
+            ]
+        return out
+
+
+def _args(call: ToolCallMessagePart) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments  # not JSON: the template shows the text as sent
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None  # arguments always follow `parameters` under tool_choice required/named
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(BaseModel):
@@ -324,18 +399,43 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI fields with no effect on the output, accepted at their neutral values.
+    metadata: dict[str, str] | None = None
+    store: bool = False
+    service_tier: str | None = None
 
-    @field_validator("tools")
+    @field_validator("store")
     @classmethod
-    def _no_tools(cls, value):
+    def _no_store(cls, value):
         if value:
-            raise ValueError("tool calling is not supported by nanoserve")
+            raise ValueError("store (keeping completions for later retrieval) is not supported by nanoserve")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _one_tier(cls, value):
+        if value not in (None, "auto", "default"):
+            raise ValueError(f"nanoserve has one service tier: send 'auto' or 'default', not {value!r}")
         return value
 
     @model_validator(mode="after")
     def _cross_checks(self):
+        for i, message in enumerate(self.messages):
+            message.check(i)
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or ()]
+            if self.tool_choice.function.name not in names:
+                raise bad_request(
+                    f"tool_choice names the function {self.tool_choice.function.name!r}, which is not in tools "
+                    f"({', '.join(names) or 'none sent'})",
+                    "tool_choice",
+                )
+        elif self.tool_choice == "required" and not self.tools:
+            raise bad_request("tool_choice 'required' needs tools", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         both = self.max_tokens is not None and self.max_completion_tokens is not None
@@ -358,8 +458,20 @@ class ChatCompletionRequest(_SamplingFields):
         return from_format or _SamplingFields.structured_spec(self)
 
     def template_messages(self) -> list[dict]:
-        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [m.template_message() for m in self.messages]
+
+    @property
+    def calls_tools(self) -> bool:
+        """Tools are offered to the model (sent, and tool_choice is not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_functions(self) -> list[dict] | None:
+        """The functions a reply must call (tool_choice "required" or named), else None."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t.function.model_dump() for t in self.tools if t.function.name == self.tool_choice.function.name]
+        if self.tool_choice == "required":
+            return [t.function.model_dump() for t in self.tools]
+        return None
 
 
 class GenerateSamplingParams(_Strict):
@@ -419,6 +531,18 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    # With messages, as in a chat request: what the chat template receives.
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def chat_request(self) -> ChatCompletionRequest:
+        return ChatCompletionRequest(
+            messages=self.messages,
+            tools=self.tools,
+            chat_template_kwargs=self.chat_template_kwargs,
+            add_generation_prompt=self.add_generation_prompt,
+        )
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -2,7 +2,8 @@
 
 Owns `tool_call_constraint`: an EBNF grammar (StructuredOutputs.grammar) that admits
 `begin {"<name_key>": "<function name>", "<args_key>": <JSON of that function's parameters
-schema>} end`, optionally repeated with whitespace between calls, and nothing else. The JSON
+schema>} end`, optionally repeated with whitespace (or a separator) between calls, and nothing
+else. The JSON
 part comes from xgrammar's own JSON Schema converter (one schema: anyOf over the functions,
 each pinning its name with `const`), so arguments follow the same rules as response_format.
 """
@@ -53,9 +54,11 @@ def tool_call_constraint(
     allow_many: bool,
     name_key: str = "name",
     args_key: str = "arguments",
+    separator: str = "",
 ) -> StructuredOutputs:
     """`functions`: OpenAI function objects ({"name", "parameters"?, ...}); a function without
-    `parameters` takes any JSON object. `at_least_one` False also admits an empty reply."""
+    `parameters` takes any JSON object. `at_least_one` False also admits an empty reply.
+    Calls are separated by whitespace, around `separator` when one is given (e.g. ";")."""
     if not functions:
         raise ValueError("tool_call_constraint needs at least one function")
     cases = []
@@ -78,6 +81,7 @@ def tool_call_constraint(
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(f"invalid parameters schema in tools: {str(exc).strip()}") from None
     block = f"{json.dumps(begin)} [ \\t\\n]* {_CALL_RULE} [ \\t\\n]* {json.dumps(end)}"
-    calls = f"({block})" + (f" ([ \\t\\n]* {block})*" if allow_many else "")
+    between = f"[ \\t\\n]* {json.dumps(separator)} [ \\t\\n]*" if separator else "[ \\t\\n]*"
+    calls = f"({block})" + (f" ({between} {block})*" if allow_many else "")
     root = f"root ::= {calls}" if at_least_one else f'root ::= "" | {calls}'
     return StructuredOutputs(grammar=root + "\n" + _rename_root(call, _CALL_RULE))
