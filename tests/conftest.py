@@ -25,3 +25,24 @@ def pytest_collection_modifyitems(config, items):
 # before triton is first imported: the CPU tests of the Triton backend rely on this.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Clients of a module's `server` fixture (a tests.test_server_e2e.ServerProcess started with
+# --api-key tests.test_server_e2e.KEY): the openai SDK, and httpx for raw requests.
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    from tests.test_server_e2e import KEY
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    import httpx
+
+    from tests.test_server_e2e import KEY
+
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+        yield c

@@ -67,17 +67,6 @@ def server():
         srv.kill()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
-        yield c
-
-
 def schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
 
