@@ -292,6 +292,31 @@ def test_tool_call_constraint_admits_only_calls(llm):
     assert_idle(llm)
 
 
+def test_model_rows_past_the_tokenizer_are_never_allowed(tmp_path):
+    """A model with more logits rows than its tokenizer has ids (padding rows, as Qwen's): the
+    grammar knows only the tokenizer's ids and the engine masks the rest off."""
+    from tests.chat_tokenizers import _CONFIG
+
+    tokens = 49152  # SmolLM2's tokenizer
+    small = {**_CONFIG, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    small |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": tokens + 1000}
+    (tmp_path / "config.json").write_text(json.dumps(small))
+    llm = LLM(str(tmp_path), load_format="dummy", tokenizer="smollm2-135m", device="cpu", max_model_len=256)
+    try:
+        assert llm.engine.grammar_service().grammar_vocab_size == tokens
+        params = [constrained(s, max_tokens=40, json_object=True) for s in range(3)]
+        params += [SamplingParams(temperature=1.0, seed=9, max_tokens=40, ignore_eos=True)]
+        outs = [o.outputs[0] for o in llm.generate([PROMPT] * 4, params, use_tqdm=False)]
+        for out in outs[:3]:
+            assert max(out.token_ids) < tokens
+            if out.finish_reason == "stop":
+                assert isinstance(json.loads(out.text), dict)
+        assert len(outs[3].token_ids) == 40
+        assert_idle(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_batch_mask_fill_equals_one_at_a_time(llm):
     """`fill_masks` (xgrammar's threads) writes the rows `fill_mask` writes, for matchers of
     different grammars in different states."""
@@ -312,7 +337,7 @@ def test_batch_mask_fill_equals_one_at_a_time(llm):
             if not m.accept(t):
                 break
         matchers.append(m)
-    words = bitmask_words(llm.engine.model_config.vocab_size)
+    words = bitmask_words(service.grammar_vocab_size)
     one = torch.zeros(len(matchers), words, dtype=torch.int32)
     for j, m in enumerate(matchers):
         m.fill_mask(one, j)

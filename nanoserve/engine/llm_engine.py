@@ -405,18 +405,22 @@ class LLMEngine:
         step that used it were waited for before this step's masks (see `step`)."""
         started = time.perf_counter()
         words = bitmask_words(vocab)
+        grammar_words = bitmask_words(self._grammars.grammar_vocab_size)  # the tokenizer's ids only
         rows = [
             i for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None and r.matcher.needs_mask
         ]
         host = self._mask_host
-        if host is None or host.shape[0] < len(rows) or host.shape[1] != words:
+        if host is None or host.shape[0] < len(rows) or host.shape[1] != grammar_words:
             size = max(len(rows), 2 * (host.shape[0] if host is not None else 8))
-            host = torch.empty(size, words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            host = torch.empty(size, grammar_words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
             self._mask_host = host
         fill_masks([reqs[i].matcher for i in rows], host)
         mask = torch.full((len(reqs), words), -1, dtype=torch.int32, device=self.device)
         if rows:
-            mask[_on_device(rows, self.device)] = host[: len(rows)].to(self.device, non_blocking=True)
+            masked = host[: len(rows)].to(self.device, non_blocking=True)
+            if grammar_words < words:  # ids past the tokenizer's (padding rows): never allowed
+                masked = torch.nn.functional.pad(masked, (0, words - grammar_words))
+            mask[_on_device(rows, self.device)] = masked
         self.mask_fill_s += time.perf_counter() - started
         self.num_masked_steps += 1
         return mask
