@@ -113,8 +113,11 @@ class GrammarService:
         # Grammars know only the tokenizer's ids: xgrammar treats every id past them (a model's
         # padding rows) as a special token and pays for each one in every mask fill and token
         # accept (5x and 8x slower with SmolLM2's 49,152 tokens in a 151,936-row model). The
-        # engine leaves those ids out of a constrained row's mask itself.
-        self.grammar_vocab_size = min(vocab_size, max(_vocab_end(tokenizer), max(stop_token_ids, default=-1) + 1))
+        # engine leaves those ids out of a constrained row's mask itself. A stop id past them
+        # (a model config's end-of-sequence id that this tokenizer lacks: another model's
+        # tokenizer, as dummy-weight benchmarks use) is never allowed under a grammar.
+        self.grammar_vocab_size = min(vocab_size, _vocab_end(tokenizer))
+        stop_token_ids = [t for t in stop_token_ids if t < self.grammar_vocab_size] or None
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="nanoserve-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
