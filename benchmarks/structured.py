@@ -2,8 +2,8 @@
 
 Workload: --num-seqs concurrent requests (default 64) of 128 random prompt token ids, up to
 --max-tokens output tokens each (default 256), temperature 1, dummy weights (default
-qwen3-0.6b, with SmolLM2's tokenizer since the dummy model has none). Three runs, each after
-a warm-up of the same kind:
+qwen3-0.6b, with SmolLM2's tokenizer since the dummy model has none). Kinds, each warmed up
+once, then timed in --repeat rounds of every kind back to back:
   free:  no constraint (ignore_eos: every request generates --max-tokens tokens);
   all:   every request under a ~10-field JSON schema (enums, a nested object, an array,
          numeric ranges, a pattern, a free string so that random weights keep writing);
@@ -12,7 +12,8 @@ a warm-up of the same kind:
 strings, the case where xgrammar's mask fill is slowest (bounded repetition: 67 µs per fill
 on average against 8 µs without, single fills up to ~5 ms; RESULTS.md 2026-11-25).
 Reported: output tokens actually generated per second (a constrained request may end
-early, once its JSON is complete), the ratio to the free run, host time filling masks per
+early, once its JSON is complete), the median over rounds of the ratio to the same round's
+free run (with the rounds' range), host time filling masks per
 masked step, and grammar compile time for the schema, cold (a fresh compiler service, its
 tokenizer tables built first and timed apart) and cached.
 The grammar sees only the tokenizer's 49,152 ids; the model's other rows are masked off by
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import random
+import statistics
 import time
 
 import torch
@@ -128,7 +130,7 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=2, help="timed runs per kind (the best is reported)")
+    ap.add_argument("--repeat", type=int, default=5, help="rounds of every kind (medians are reported)")
     args = ap.parse_args()
 
     llm = LLM(
@@ -147,29 +149,32 @@ def main() -> None:
         f"grammar compile (10-field schema): tokenizer tables {tables * 1e3:.0f} ms once, "
         f"cold {cold * 1e3:.1f} ms, cached {cached * 1e6:.1f} us"
     )
-    results = {}
     runs = [("free", SCHEMA)] + [
         (kind + suffix, schema) for suffix, schema in SCHEMAS.items() for kind in ("all", "half")
     ]
-    for kind, schema in runs:
-        params = params_for(kind.split()[0], args.num_seqs, args.max_tokens, schema)
-        llm.generate(prompts[: min(8, args.num_seqs)], params[:8], use_tqdm=False)  # warm-up of this kind
-        best = None
-        for _ in range(args.repeat):
-            run = timed(llm, prompts, params)
-            if best is None or run[0] / run[1] > best[0] / best[1]:
-                best = run
-        results[kind] = best
-        tokens, elapsed, fill_s, steps = best
-        rate = tokens / elapsed
-        line = f"{kind:15s}: {tokens:6d} output tokens in {elapsed:6.2f} s = {rate:9.1f} tok/s"
+    params = {kind: params_for(kind.split()[0], args.num_seqs, args.max_tokens, schema) for kind, schema in runs}
+    for kind, _ in runs:
+        llm.generate(prompts[: min(8, args.num_seqs)], params[kind][:8], use_tqdm=False)  # warm-up of this kind
+    # Rounds of every kind back to back: each ratio to free compares runs minutes apart at
+    # most, so the machine's drift (the free run alone varies by 15% between calls) cancels.
+    results: dict[str, list[tuple[int, float, float, int]]] = {kind: [] for kind, _ in runs}
+    for _ in range(args.repeat):
+        for kind, _ in runs:
+            results[kind].append(timed(llm, prompts, params[kind]))
+    free_rates = [t / e for t, e, _, _ in results["free"]]
+    for kind, _ in runs:
+        rates = [t / e for t, e, _, _ in results[kind]]
+        tokens = statistics.median(t for t, _, _, _ in results[kind])
+        line = f"{kind:15s}: {tokens:6.0f} output tokens, median {statistics.median(rates):9.1f} tok/s"
         if kind != "free":
-            free_rate = results["free"][0] / results["free"][1]
-            ratio = rate / free_rate
+            ratios = [r / f for r, f in zip(rates, free_rates)]
+            ratio = statistics.median(ratios)
             target = TARGETS[kind.split()[0]]
             ok = "met" if ratio >= target else "MISSED"
-            line += f" | {ratio * 100:5.1f}% of free (target {target * 100:.0f}%: {ok})"
-            line += f" | mask fill {fill_s * 1e3 / max(steps, 1):.3f} ms per masked step ({steps} steps)"
+            line += f" | {ratio * 100:5.1f}% of free (rounds {min(ratios) * 100:.1f}-{max(ratios) * 100:.1f}%;"
+            line += f" target {target * 100:.0f}%: {ok})"
+            fill_ms = statistics.median(f * 1e3 / max(n, 1) for _, _, f, n in results[kind])
+            line += f" | mask fill {fill_ms:.3f} ms per masked step"
         print(line, flush=True)
     llm.engine.check_invariants()
 
