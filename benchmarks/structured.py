@@ -19,8 +19,8 @@ tokenizer tables built first and timed apart) and cached.
 The grammar sees only the tokenizer's 49,152 ids; the model's other rows are masked off by
 the engine (before 2026-11-26 xgrammar paid for each of them: all ran at 33-37% of free).
 Targets (H200, qwen3-0.6b, 64 x 256): all >= 90% of free, half >= 95% of free. Measured on one
-H100 (benchmarks/RESULTS.md, 2026-11-26): free 26.4k tok/s, all 89.1%, half 102.5% (49% / 61%
-with the maxLength strings).
+H100 (benchmarks/RESULTS.md, 2026-11-26, --repeat 7): free 25.8k tok/s, all 85.6%, half 93.7%
+(52% / 63% with the maxLength strings): missed.
 
     python benchmarks/structured.py                      # H200
     python benchmarks/structured.py --model smollm2-135m --load-format auto --device cpu \
