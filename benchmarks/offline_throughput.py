@@ -251,6 +251,9 @@ def main() -> None:
     prompts, max_tokens = prompts[: args.num_seqs], max_tokens[: args.num_seqs]
     total_prompt, total_out = sum(map(len, prompts)), sum(max_tokens)
 
+    # Before the engine: it takes most of the free memory for its KV cache, and a large model
+    # (qwen3-30b-a3b on an 80 GB card) then left no room for the copy's 2 GiB.
+    bw = copy_bandwidth(torch.device("cuda")) if torch.cuda.is_available() else float("nan")
     compiles = CompileWatch()
     llm = LLM(
         args.model,
@@ -266,7 +269,6 @@ def main() -> None:
     )
     engine = llm.engine
     device = engine.device
-    bw = copy_bandwidth(device)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     warm_up(llm, prompts)
     print(f"compiled in the start-up and warm-up: {compiles.read()}")
