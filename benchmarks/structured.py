@@ -18,9 +18,10 @@ masked step, and grammar compile time for the schema, cold (a fresh compiler ser
 tokenizer tables built first and timed apart) and cached.
 The grammar sees only the tokenizer's 49,152 ids; the model's other rows are masked off by
 the engine (before 2026-11-26 xgrammar paid for each of them: all ran at 33-37% of free).
-Targets (H200, qwen3-0.6b, 64 x 256): all >= 90% of free, half >= 95% of free. Measured on one
-H100 (benchmarks/RESULTS.md, 2026-11-26, --repeat 7): free 25.8k tok/s, all 85.6%, half 93.7%
-(52% / 63% with the maxLength strings): missed.
+Targets (H200, qwen3-0.6b, 64 x 256): all >= 90% of free, half >= 95% of free. On an H200 not
+yet measured since that fix (before it, 2026-11-25: free ~30k tok/s, all 36.5%, half 57.7%).
+On one H100 (benchmarks/RESULTS.md, 2026-11-26, --repeat 7): free 25.8k tok/s, all 85.6%, half
+93.7% (52% / 63% with the maxLength strings): missed.
 
     python benchmarks/structured.py                      # H200
     python benchmarks/structured.py --model smollm2-135m --load-format auto --device cpu \
