@@ -80,12 +80,24 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
+        """Generate replies to conversations through the model's chat template, which also
+        receives `tools` (OpenAI-style function definitions) and `chat_template_kwargs` (e.g.
+        {"enable_thinking": False}). The replies are raw text: tool calls and thinking are not
+        parsed here (the server's --tool-call-parser and --reasoning-parser do that)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         texts = [
-            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+            self.tokenizer.apply_chat_template(
+                c,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
             for c in conversations
         ]
         # The template already holds the special tokens: encode without adding more.

@@ -307,3 +307,22 @@ def test_forced_calls_grammar_and_gate(qwen):
     assert admits(
         llama_like, '{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}'
     )
+
+
+def test_offline_chat_passes_tools_and_template_kwargs(tmp_path):
+    from nanoserve import LLM
+
+    llm = LLM("smollm2-135m", device="cpu", tokenizer=str(make_tokenizer_dir(tmp_path, "qwen")), max_model_len=512)
+    try:
+        (out,) = llm.chat(
+            [{"role": "user", "content": "Weather in Paris?"}],
+            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+            use_tqdm=False,
+            tools=[WEATHER],
+            chat_template_kwargs={"enable_thinking": False},
+        )
+    finally:
+        llm.shutdown()
+    assert '"name": "get_weather"' in out.prompt
+    assert out.prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert len(out.outputs[0].token_ids) == 4
