@@ -265,7 +265,7 @@ def _dot(a, b, acc, F32: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
 def _grouped_gate_up_kernel(
     x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr,
     H, I, num_pairs, stride_x, stride_we, stride_wn, stride_o,
@@ -309,7 +309,7 @@ def _grouped_gate_up_kernel(
     tl.store(o_ptrs, y.to(dtype), mask=valid[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
 def _grouped_down_kernel(
     a_ptr, w_ptr, out_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr,
     H, I, num_pairs, stride_a, stride_we, stride_wn, stride_o,
