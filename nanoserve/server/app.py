@@ -443,11 +443,6 @@ def build_app(state: ServerState) -> FastAPI:
         text = state.chat.prompt(req)
         return text, state.tokenizer.encode(text, add_special_tokens=False)
 
-    def constraint_param(req: p.ChatCompletionRequest) -> str:
-        if req.calls_tools and req.forced_functions() is not None:
-            return "tool_choice"
-        return "response_format" if req.response_format is not None else "structured_outputs"
-
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = p.parse(p.ChatCompletionRequest, await request.body())
@@ -457,7 +452,7 @@ def build_app(state: ServerState) -> FastAPI:
         max_tokens = resolve_max_tokens([ids], req.requested_max_tokens, was_sent, "messages")
         params = sampling_params(req, max_tokens)
         params = dataclasses.replace(params, structured_outputs=state.chat.constraint(req, prompt_text))
-        await check_grammar(params, constraint_param(req))
+        await check_grammar(params, req.constraint_field)
         outputs = [state.chat.output(req, prompt_text) for _ in range(req.n)]
         gen = await start([ids], params, "messages")
         rid, created, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.n

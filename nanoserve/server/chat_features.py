@@ -183,7 +183,7 @@ class ChatFeatures:
         """What the reply must follow: the forced tool calls, or response_format /
         structured_outputs; with a reasoning parser, only after the thinking."""
         spec = req.structured_spec()
-        forced = req.forced_functions() if req.calls_tools else None
+        forced = req.forced_functions()  # validation made sure they are among the tools sent
         if forced is not None:
             if spec is not None:
                 raise p.bad_request(
@@ -202,7 +202,7 @@ class ChatFeatures:
         try:
             return dataclasses.replace(spec, after_reasoning=self.reasoning.gate(prompt_text))
         except ValueError as exc:
-            raise p.bad_request(str(exc), "response_format" if forced is None else "tool_choice") from None
+            raise p.bad_request(str(exc), req.constraint_field) from None
 
     # ---------------------------------------------------------------------------- the reply
 

@@ -473,6 +473,13 @@ class ChatCompletionRequest(_SamplingFields):
             return [t.function.model_dump() for t in self.tools]
         return None
 
+    @property
+    def constraint_field(self) -> str:
+        """The field that asked for this request's constraint (the param of its errors)."""
+        if self.forced_functions() is not None:
+            return "tool_choice"
+        return "response_format" if self.response_format is not None else "structured_outputs"
+
 
 class GenerateSamplingParams(_Strict):
     """The native endpoint's sampling block: SamplingParams' own field names."""

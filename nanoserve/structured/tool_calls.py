@@ -3,9 +3,9 @@
 Owns `tool_call_constraint`: an EBNF grammar (StructuredOutputs.grammar) that admits
 `begin {"<name_key>": "<function name>", "<args_key>": <JSON of that function's parameters
 schema>} end`, optionally repeated with whitespace (or a separator) between calls, and nothing
-else. The JSON
-part comes from xgrammar's own JSON Schema converter (one schema: anyOf over the functions,
-each pinning its name with `const`), so arguments follow the same rules as response_format.
+else. The JSON part comes from xgrammar's own JSON Schema converter (one schema: anyOf over
+the functions, each pinning its name with `const`), so arguments follow the same rules as
+response_format.
 """
 
 from __future__ import annotations
