@@ -8,6 +8,7 @@ is left. Outputs are kept short (a few tokens) so the module runs in a couple of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -124,33 +125,26 @@ class ServerProcess:
 # ------------------------------------------------------------------------------------------ fixtures
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def serving(*args: str):
+    """`python -m nanoserve.server serve MODEL` on a free port with KEY and `args`, ready; killed
+    on exit."""
     srv = ServerProcess(
-        [
-            sys.executable,
-            "-m",
-            "nanoserve.server",
-            "serve",
-            MODEL,
-            "--port",
-            "0",
-            "--api-key",
-            KEY,
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--kv-cache-tokens",
-            "16384",
-            "--max-num-seqs",
-            "64",
-            "--show-examples",
-        ]
+        [sys.executable, "-m", "nanoserve.server", "serve", MODEL, "--port", "0", "--api-key", KEY, *args]
     )
     try:
         srv.wait_ready()
         yield srv
     finally:
         srv.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving(
+        "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "16384", "--max-num-seqs", "64", "--show-examples"
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

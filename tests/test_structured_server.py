@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 from typing import Literal
 
 import pytest
 
-from tests.test_server_e2e import KEY, MODEL, ServerProcess, wait_idle
+from tests.test_server_e2e import KEY, MODEL, serving, wait_idle
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -56,15 +55,8 @@ class City(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess(
-        [sys.executable, "-m", "nanoserve.server", "serve", MODEL, "--port", "0", "--api-key", KEY]
-        + ["--max-model-len", "512", "--kv-cache-tokens", "8192", "--max-num-seqs", "16"]
-    )
-    try:
-        srv.wait_ready()
+    with serving("--max-model-len", "512", "--kv-cache-tokens", "8192", "--max-num-seqs", "16") as srv:
         yield srv
-    finally:
-        srv.kill()
 
 
 def schema_format(schema: dict) -> dict:

@@ -14,12 +14,11 @@ response_format lands in content; nothing leaks."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 from tests.chat_tokenizers import load_tokenizer_dir, make_tokenizer_dir
-from tests.test_server_e2e import KEY, MODEL, ServerProcess, wait_idle
+from tests.test_server_e2e import MODEL, serving, wait_idle
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -64,17 +63,11 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tokenizer_dir):
-    tokenizer = tokenizer_dir
-    srv = ServerProcess(
-        [sys.executable, "-m", "nanoserve.server", "serve", MODEL, "--port", "0", "--api-key", KEY]
-        + ["--tokenizer", str(tokenizer), "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
-        + ["--max-model-len", "1024", "--kv-cache-tokens", "8192", "--max-num-seqs", "16"]
-    )
-    try:
-        srv.wait_ready()
+    with serving(
+        *["--tokenizer", str(tokenizer_dir), "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"],
+        *["--max-model-len", "1024", "--kv-cache-tokens", "8192", "--max-num-seqs", "16"],
+    ) as srv:
         yield srv
-    finally:
-        srv.kill()
 
 
 def assert_calls_follow_schemas(calls, names: set[str]) -> None:
