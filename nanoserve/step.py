@@ -36,3 +36,16 @@ class ForwardInputs:
     graph_bs: int | None = None  # padded size of the decode graph to replay, None: eager
     num_reqs: int = 0  # real requests (rows past it are padding)
     req_slots: torch.Tensor | None = None  # long [num_reqs]: each request's slot (rank 0 only, not broadcast)
+    # Input ids still being sampled (rank 0 only): `ModelRunner.read_pending_tokens` reads them
+    # from the token pool. It runs when the forward is launched, not when the inputs are
+    # prepared, so a step can be prepared before the sampling that produces them is queued.
+    pending: PendingTokens | None = None
+
+
+@dataclass
+class PendingTokens:
+    """Rows of `input_ids` whose token is in the token pool (a placeholder id < 0 on the host)."""
+
+    ids: torch.Tensor  # long [n]: the real rows of input_ids (a view: written in place)
+    pool_index: torch.Tensor  # long [n]: each row's token-pool entry
+    rows: torch.Tensor | None  # bool [n] on the device: which rows; None: all of them

@@ -119,11 +119,14 @@ def check_every_prepare(llm: LLM) -> dict:
     def checked(batch, sample_rows):
         want = reference_prepare(runner, batch, sample_rows)  # before prepare: same state
         got = real(batch, sample_rows)
+        pending = got.pending is not None
+        runner.read_pending_tokens(got)  # what `execute` does first (no sampling queued between here)
         assert_same_inputs(got, want)
         seen["steps"] += 1
         seen["graph"] += got.graph_bs is not None
         seen["extend"] += any(r.num_computed > 0 for r in batch.requests) and not batch.is_decode
-        seen["pending"] += any(r.token_ids[-1] < 0 for r in batch.requests)
+        seen["pending"] += pending
+        assert pending == any(r.token_ids[-1] < 0 for r in batch.requests)
         seen["mixed"] += not batch.is_decode and batch.num_decodes > 0
         return got
 

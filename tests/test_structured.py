@@ -153,6 +153,28 @@ def test_preemption_keeps_the_grammar_state():
         small.shutdown()
 
 
+def test_overlap_loop_gives_the_simple_loops_tokens():
+    """The overlap loop fills a constrained step's masks on the mask thread while the next
+    step is prepared, and samples later: the same tokens as the simple loop, for seeded and
+    greedy, constrained and free samples, through preemptions (a small KV cache)."""
+    small = LLM("smollm2-135m", device="cpu", page_size=4, kv_cache_tokens=200, enable_prefix_caching=False)
+    try:
+        params = [constrained(s, json=SCHEMA) for s in range(3)]
+        params += [SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputs(json=SCHEMA))]
+        params += [SamplingParams(temperature=1.0, seed=3, max_tokens=30), SamplingParams(temperature=0, max_tokens=30)]
+        prompts = [PROMPT] * 4 + ["The capital of France is", "One, two, three,"]
+        runs = {}
+        for overlap in (False, True):
+            small.engine.overlap = overlap
+            outs = small.generate(prompts, params, use_tqdm=False)
+            runs[overlap] = [o.outputs[0].token_ids for o in outs]
+            assert_idle(small)
+        assert small.stats()["num_preemptions"] > 0
+        assert runs[True] == runs[False]
+    finally:
+        small.shutdown()
+
+
 CHOICES = ["positive", "negative", "neutral"]
 
 

@@ -497,6 +497,7 @@ class TPModelRunner:
         if rt.dead_workers():
             raise rt.fail("a worker rank exited")
         copies, self.kv_cache.pending = self.kv_cache.pending, []
+        self.local.read_pending_tokens(inputs)  # the workers receive finished input ids
         try:
             self._broadcast(inputs, copies)
         except Exception as exc:

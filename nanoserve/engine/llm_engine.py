@@ -19,8 +19,9 @@ GrammarMatcher that accepts its token when a step is processed; before sampling,
 constrained requests get a token bitmask filled on the host (every other row allows all),
 which the sampler applies on the device. In the overlap loop the mask needs the previous
 step's tokens, so a step with a constrained row launches its forward first and then
-processes the step in flight (the device runs the forward meanwhile) before filling masks
-and sampling; steps without one keep the plain overlap loop. A grammar that ends finishes
+processes the step in flight (the device runs the forward meanwhile); its masks are filled
+on a mask thread while the next step is scheduled and prepared, and its sampling is queued
+just before that next step's forward. Steps without one keep the plain overlap loop. A grammar that ends finishes
 its request with "stop"; max_tokens before that is "length".
 
 Host cost: in the overlap loop the host prepares step N+1 while the device runs step N, so
@@ -51,6 +52,7 @@ from nanoserve.outputs import StepUpdate
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler.request import Request
 from nanoserve.scheduler.scheduler import ScheduledBatch, Scheduler, pages_for
+from nanoserve.step import ForwardInputs
 from nanoserve.structured.compiler import GrammarError, GrammarService, PendingGrammar
 from nanoserve.structured.matcher import GrammarMatcher, bitmask_words, fill_masks
 from nanoserve.switches import log_nondefault
@@ -128,6 +130,7 @@ class LLMEngine:
         self._compiling: list[tuple[Request, PendingGrammar]] = []  # constrained requests not yet queued
         self.num_constrained = 0  # queued requests with a matcher (the step loop skips grammar work at 0)
         self._mask_host: torch.Tensor | None = None  # int32 [rows, words], pinned on CUDA
+        self._mask_thread: futures.ThreadPoolExecutor | None = None  # fills masks in the overlap loop
         self.mask_fill_s = 0.0  # host time filling grammar masks (benchmarks/structured.py reads it)
         self.num_masked_steps = 0
         if self.device.type == "cuda" and tp.rank == 0:  # worker ranks follow rank 0's steps
@@ -300,12 +303,17 @@ class LLMEngine:
     def step(self) -> list[StepUpdate]:
         """One scheduler step. Simple loop: launch the step and process its results.
         Overlap loop: launch step N+1, then process step N's results while the GPU runs
-        N+1 (its input tokens are read on the device from the runner's token pool)."""
+        N+1 (its input tokens are read on the device from the runner's token pool).
+        A constrained step N+1 (overlap loop) processes step N right after its forward is
+        launched (the masks need N's tokens), then fills its masks on a worker thread while
+        the next call schedules and prepares N+2; that call launches N+1's sampling, then
+        N+2's forward, so the device waits neither for the masks nor for the preparation."""
         started = time.perf_counter()
         updates, self._pending_updates = self._pending_updates, []
         if self._inflight is not None and self.scheduler.num_with_penalties:
             # Penalties read each request's tokens on the host: finish the step in flight.
             done, self._inflight = self._inflight, None
+            self._launch_sampling(done)
             updates += self._process(done)
         if self._compiling:
             self._queue_compiled()
@@ -314,18 +322,27 @@ class LLMEngine:
                 futures.wait([c[1].future for c in self._compiling], timeout=0.005, return_when=futures.FIRST_COMPLETED)
                 self._queue_compiled()
         batch = self.scheduler.schedule()
+        inputs = self._prepare(batch) if batch is not None else None
+        if self._inflight is not None:
+            self._launch_sampling(self._inflight)  # a constrained step whose masks were filling
         launched = None
         if batch is not None:
-            launched, logits = self._forward(batch)
-            if launched.constrained and self._inflight is not None:
+            launched, logits = self._forward(batch, inputs)
+            if launched.constrained and self.overlap:
                 # The masks need the tokens of the step in flight: process it now, while the
                 # device runs this step's forward (requests finishing meanwhile are deferred
                 # to `launched`, as in the plain overlap loop).
-                done, self._inflight = self._inflight, launched
-                updates += self._process(done)
-                self._inflight = None
-            self._sample(launched, logits)
-        if self.overlap:
+                if self._inflight is not None:
+                    done, self._inflight = self._inflight, launched
+                    updates += self._process(done)
+                self._inflight = launched
+                self._sample_later(launched, logits)
+                launched = None  # nothing to process this step
+            else:
+                self._sample(launched, logits)
+        if launched is None and self._inflight is not None and self._inflight.masks is not None:
+            done = None  # the constrained step above waits for its sampling
+        elif self.overlap:
             done, self._inflight = self._inflight, launched
         else:
             done = launched
@@ -337,15 +354,23 @@ class LLMEngine:
         self.num_steps += 1
         return updates
 
-    def _forward(self, batch: ScheduledBatch) -> tuple[_InFlight, torch.Tensor]:
-        """The forward of one batch, queued on the device; returns its record (sampling
-        requests, forks included) and the logits rows they sample from."""
+    def _prepare(self, batch: ScheduledBatch) -> tuple[ForwardInputs, list[int]]:
+        """The inputs of one batch (host work and copies; tokens still being sampled are read
+        when the forward is launched), and which requests sample."""
         reqs = batch.requests
         if batch.is_decode:  # every request samples, none forks (forks happen after a prompt)
-            samplers = range(len(reqs))
+            samplers = list(range(len(reqs)))
         else:
             samplers = [i for i, (r, n) in enumerate(zip(reqs, batch.num_new_tokens)) if n == r.num_uncomputed]
-        inputs = self.runner.prepare(batch, samplers)
+        return self.runner.prepare(batch, samplers), samplers
+
+    def _forward(
+        self, batch: ScheduledBatch, prepared: tuple[ForwardInputs, list[int]]
+    ) -> tuple[_InFlight, torch.Tensor]:
+        """The forward of one prepared batch, queued on the device; returns its record
+        (sampling requests, forks included) and the logits rows they sample from."""
+        inputs, samplers = prepared
+        reqs = batch.requests
         logits = self.runner.execute(inputs)
         self.scheduler.complete_step(batch)
         if batch.is_decode:
@@ -365,32 +390,67 @@ class LLMEngine:
         return record, logits
 
     def _sample(self, record: _InFlight, logits: torch.Tensor) -> None:
-        """Sampling of a launched forward, queued on the device. Each sampling request gets a
-        placeholder token (-1) that `_process` fills in; its sampled token also goes to the
-        token pool at the request's slot, where the next step reads it. A request finished
-        since the forward (only when a constrained step processed the step before it) gets
-        no placeholder: its token is dropped."""
-        sample_reqs = record.reqs
-        if not sample_reqs:
+        """Sampling of a launched forward, queued on the device now (a constrained step's
+        masks are filled first, on this thread)."""
+        if not record.reqs:
             return
-        bitmask = self._fill_masks(sample_reqs, logits.shape[1]) if record.constrained else None
-        record.result = self.sampler.sample(logits, [r.sample_row or self._sample_row(r) for r in sample_reqs], bitmask)
-        positions = record.positions
+        self._add_placeholders(record)
+        mask = None
         if record.constrained:
-            for req in sample_reqs:
-                ids = req.token_ids
-                positions.append(len(ids))
-                if req.finish_reason is None:
-                    ids.append(-1)
-        else:
-            for req in sample_reqs:
-                ids = req.token_ids
-                positions.append(len(ids))
+            rows, host = self._mask_rows(record.reqs)
+            self._fill_host_masks([record.reqs[i].matcher for i in rows], host)
+            mask = self._device_mask(len(record.reqs), rows, host, logits.shape[1])
+        self._queue_sampling(record, logits, mask)
+
+    def _sample_later(self, record: _InFlight, logits: torch.Tensor) -> None:
+        """A constrained step's sampling, launched by `_launch_sampling` once its masks are
+        filled on the mask thread; meanwhile the next step is scheduled and prepared. Its
+        slots are copied now: a decode graph's static inputs, where `record.slots` points,
+        are rewritten by that preparation, which may also preempt a request (its slot goes)."""
+        if not record.reqs:
+            return
+        self._add_placeholders(record)
+        rows, host = self._mask_rows(record.reqs)
+        record.slots = _on_device([r.slot for r in record.reqs], self.device)
+        if self._mask_thread is None:
+            self._mask_thread = futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
+        record.logits = logits
+        matchers = [record.reqs[i].matcher for i in rows]  # taken here: an abort clears req.matcher
+        record.masks = self._mask_thread.submit(self._fill_host_masks, matchers, host)
+        record.mask_rows, record.mask_host = rows, host
+
+    def _launch_sampling(self, record: _InFlight) -> None:
+        """Queue the sampling of a step whose masks were filling (`_sample_later`); no-op for
+        any other step."""
+        if record.masks is None:
+            return
+        record.masks.result()
+        record.masks = None
+        mask = self._device_mask(len(record.reqs), record.mask_rows, record.mask_host, record.logits.shape[1])
+        logits, record.logits = record.logits, None
+        self._queue_sampling(record, logits, mask)
+
+    def _add_placeholders(self, record: _InFlight) -> None:
+        """Each sampling request gets a placeholder token (-1) that `_process` fills in, and
+        its sampling parameters are taken (before the placeholder: penalties read the
+        tokens). A request finished since the forward (only when a constrained step
+        processed the step before it) gets no placeholder: its token is dropped."""
+        record.rows = [r.sample_row or self._sample_row(r) for r in record.reqs]
+        positions = record.positions
+        for req in record.reqs:
+            ids = req.token_ids
+            positions.append(len(ids))
+            if req.finish_reason is None:
                 ids.append(-1)
+
+    def _queue_sampling(self, record: _InFlight, logits: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Queue the sampler on the device; its tokens also go to the token pool at each
+        request's slot, where the next step reads them, and to pinned host memory."""
+        record.result = self.sampler.sample(logits, record.rows, mask)
         tokens = record.result.tokens
         slots = record.slots
         if slots is None:
-            slots = _on_device([r.slot for r in sample_reqs], self.device)
+            slots = _on_device([r.slot for r in record.reqs], self.device)
         self.runner.token_pool.index_copy_(0, slots, tokens)
         if tokens.is_cuda:
             record.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -398,31 +458,40 @@ class LLMEngine:
             record.event = torch.cuda.Event()
             record.event.record()
 
-    def _fill_masks(self, reqs: list[Request], vocab: int) -> torch.Tensor:
-        """The next-token bitmask of every sampling row, on the device: constrained rows from
-        their matchers (filled on the host, copied without a sync), the others all ones.
-        The host buffer is reused: its previous copy has completed, since the tokens of the
-        step that used it were waited for before this step's masks (see `step`)."""
-        started = time.perf_counter()
-        words = bitmask_words(vocab)
-        grammar_words = bitmask_words(self._grammars.grammar_vocab_size)  # the tokenizer's ids only
+    def _mask_rows(self, reqs: list[Request]) -> tuple[list[int], torch.Tensor]:
+        """The sampling rows that get a grammar mask, and the host buffer they are filled into.
+        The buffer is reused: its previous copy has completed, since the tokens of the step
+        that used it were waited for before this step's masks (see `step`)."""
         rows = [
             i for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None and r.matcher.needs_mask
         ]
+        grammar_words = bitmask_words(self._grammars.grammar_vocab_size)  # the tokenizer's ids only
         host = self._mask_host
         if host is None or host.shape[0] < len(rows) or host.shape[1] != grammar_words:
             size = max(len(rows), 2 * (host.shape[0] if host is not None else 8))
             host = torch.empty(size, grammar_words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
             self._mask_host = host
-        fill_masks([reqs[i].matcher for i in rows], host)
-        mask = torch.full((len(reqs), words), -1, dtype=torch.int32, device=self.device)
+        return rows, host
+
+    def _fill_host_masks(self, matchers: list[GrammarMatcher], host: torch.Tensor) -> None:
+        """Fill matcher i's mask into row i of `host` (on the mask thread in the overlap loop:
+        no other thread touches these matchers until it has finished)."""
+        started = time.perf_counter()
+        fill_masks(matchers, host)
+        self.mask_fill_s += time.perf_counter() - started
+        self.num_masked_steps += 1
+
+    def _device_mask(self, n: int, rows: list[int], host: torch.Tensor, vocab: int) -> torch.Tensor:
+        """The bitmask of n sampling rows on the device: `rows` from `host` (copied without a
+        sync), the others all ones."""
+        words = bitmask_words(vocab)
+        mask = torch.full((n, words), -1, dtype=torch.int32, device=self.device)
         if rows:
             masked = host[: len(rows)].to(self.device, non_blocking=True)
+            grammar_words = host.shape[1]
             if grammar_words < words:  # ids past the tokenizer's (padding rows): never allowed
                 masked = torch.nn.functional.pad(masked, (0, words - grammar_words))
             mask[_on_device(rows, self.device)] = masked
-        self.mask_fill_s += time.perf_counter() - started
-        self.num_masked_steps += 1
         return mask
 
     def _process(self, record: _InFlight) -> list[StepUpdate]:
@@ -603,6 +672,12 @@ class _InFlight:
         self.deferred: list[Request] = []  # finished meanwhile: release after processing
         self.slots: torch.Tensor | None = None  # device slots of `reqs`, when the inputs had them
         self.constrained = False  # a sampling request has a grammar
+        self.rows: list[SampleRow] = []  # each sampling request's parameters
+        # A constrained step whose sampling waits for its masks (`LLMEngine._sample_later`):
+        self.masks: futures.Future | None = None  # the mask thread's fill; None once launched
+        self.logits: torch.Tensor | None = None
+        self.mask_rows: list[int] = []
+        self.mask_host: torch.Tensor | None = None
 
     def uses(self, req: Request) -> bool:
         """Whether the step runs or samples for `req` (asked only when a request finishes)."""

@@ -26,7 +26,7 @@ from nanoserve.kvcache.pool import KVCache
 from nanoserve.models.decoder import DecoderLM, kv_heads_per_rank
 from nanoserve.models.model_config import ModelConfig
 from nanoserve.scheduler.scheduler import ScheduledBatch
-from nanoserve.step import ForwardInputs, KVPlan
+from nanoserve.step import ForwardInputs, KVPlan, PendingTokens
 
 log = logging.getLogger("nanoserve")
 
@@ -133,7 +133,8 @@ class ModelRunner:
         """Device tensors for one forward. `sample_rows` (indices into batch.requests) are
         the requests whose last new token's logits are wanted. A token id < 0 is a token
         still being sampled on the device: it is read from `token_pool` at the request's
-        slot (only a request's last token can be one). A decode batch that a captured
+        slot when the forward is launched (`execute`), so a step can be prepared before the
+        sampling it reads is queued (only a request's last token can be one). A decode batch that a captured
         graph covers is padded to the graph's size with dummy rows (slot 0 in the reserved
         page 0, sequence length 0) and its inputs are copied straight into the graph's.
 
@@ -194,8 +195,9 @@ class ModelRunner:
         else:
             d = layout.torch_views(self._to_device(host))
             page_table = d["page_table"].view(bs, width)
-        self._resolve_pending(d, pending)
-        return self._decode_inputs(d, page_table, prefix_host, max_seq, graph_bs, n, plan is not None)
+        inputs = self._decode_inputs(d, page_table, prefix_host, max_seq, graph_bs, n, plan is not None)
+        inputs.pending = self._pending_tokens(d, pending)
+        return inputs
 
     def _decode_inputs(
         self,
@@ -282,7 +284,6 @@ class ModelRunner:
         h["page_table"].reshape(n, width)[:] = rows[slots, :width]
         pending = ids < 0
         d = layout.torch_views(self._to_device(host))
-        self._resolve_pending(d, pending)
         meta = AttentionMetadata(
             is_decode=batch.is_decode,
             seq_lens=d["seq_lens"],
@@ -297,7 +298,9 @@ class ModelRunner:
             num_decode_rows=batch.num_decodes if not batch.is_decode else 0,
         )
         logit_rows = None if all_rows else d["logit_rows"]  # may be empty: no row samples
-        return ForwardInputs(d["input_ids"], d["positions"], meta, logit_rows, None, n, d["req_slots"])
+        inputs = ForwardInputs(d["input_ids"], d["positions"], meta, logit_rows, None, n, d["req_slots"])
+        inputs.pending = self._pending_tokens(d, pending)
+        return inputs
 
     def _staging(self, layout: PackedLayout) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         """A host buffer for one step's packed inputs, and its typed numpy views. On CUDA it
@@ -309,21 +312,34 @@ class ModelRunner:
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         return host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
 
-    def _resolve_pending(self, d: dict[str, torch.Tensor], pending: np.ndarray) -> None:
-        """Token ids < 0 (`pending`, on the host, for the real rows) take the token pool's
-        entry, in place; padding rows keep token 0."""
+    @staticmethod
+    def _pending_tokens(d: dict[str, torch.Tensor], pending: np.ndarray) -> PendingTokens | None:
+        """Which input ids (`pending`: ids < 0 on the host, for the real rows) the token pool
+        supplies; padding rows keep token 0."""
+        if not pending.any():
+            return None
         n = len(pending)
         ids, index = d["input_ids"][:n], d["pool_index"][:n]
-        if pending.all():
-            torch.index_select(self.token_pool, 0, index, out=ids)
-        elif pending.any():
-            torch.where(ids < 0, self.token_pool[index], ids, out=ids)
+        return PendingTokens(ids, index, None if pending.all() else ids < 0)
+
+    @torch.inference_mode()  # writes into graph buffers whose views were made in inference mode
+    def read_pending_tokens(self, inputs: ForwardInputs) -> None:
+        """Fill in the input ids still being sampled from the token pool, in place (queued on
+        the device after whatever sampling was queued before this call)."""
+        p, inputs.pending = inputs.pending, None
+        if p is None:
+            return
+        if p.rows is None:
+            torch.index_select(self.token_pool, 0, p.pool_index, out=p.ids)
+        else:
+            torch.where(p.rows, self.token_pool[p.pool_index], p.ids, out=p.ids)
 
     @torch.inference_mode()
     def execute(self, inputs: ForwardInputs) -> torch.Tensor:
         """Logits [number of sampled rows, vocab]: the forward pass of one batch, replayed
         from a CUDA graph when `prepare` chose one. Every tensor-parallel rank runs this
-        on the same inputs."""
+        on the same inputs. Pending input ids are read from the token pool first."""
+        self.read_pending_tokens(inputs)
         if inputs.graph_bs is not None:
             return self.graphs.replay(inputs)
         return self.forward_logits(inputs)
