@@ -271,6 +271,42 @@ def test_config_and_cli_flags():
     assert (config.schedule_policy, config.max_num_batched_tokens) == ("mixed", 256)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_split_rows_start_aligned(page_size):
+    """The extend part of a mixed batch hands kernels tensors that start at 16-byte boundaries
+    whatever the number of decode rows (one Triton variant for every mixed step), with the
+    values of the unsplit metadata's rows."""
+    num_reqs, width = 11, 3
+    for k in range(1, num_reqs):
+        prefix = [7 * i % 13 for i in range(num_reqs)]
+        qlens = [1] * k + [2 + i for i in range(num_reqs - k)]
+        seq = [p + q for p, q in zip(prefix, qlens)]
+        cu = [0]
+        for q in qlens:
+            cu.append(cu[-1] + q)
+        table = torch.arange(num_reqs * width, dtype=torch.int32).view(num_reqs, width)
+        meta = AttentionMetadata(
+            is_decode=False,
+            seq_lens=torch.tensor(seq, dtype=torch.int32),
+            prefix_lens=torch.tensor(prefix, dtype=torch.int32),
+            cu_query_lens=torch.tensor(cu, dtype=torch.int32),
+            page_table=table,
+            slot_mapping=torch.arange(cu[-1]) * page_size,
+            seq_lens_host=seq,
+            prefix_lens_host=prefix,
+            max_query_len=max(qlens),
+            max_seq_len=max(seq),
+            num_decode_rows=k,
+        )
+        decode, extend = meta.split_decode_rows()
+        for name in ("prefix_lens", "cu_query_lens", "page_table"):
+            got, whole = getattr(extend, name), getattr(meta, name)
+            assert got.data_ptr() % 16 == 0, (k, name)
+            want = whole[k:] - k if name == "cu_query_lens" else whole[k:]
+            assert torch.equal(got, want), (k, name)
+        assert torch.equal(decode.page_table, table[:k]) and decode.num_requests == k
+
+
 def test_torch_backend_mixed_meta_equals_whole_batch():
     """The reference computes a mixed batch whole; split into its decode and extend parts
     (`split_decode_rows`, what the Triton backend runs) it gives the same rows."""

@@ -20,7 +20,9 @@ Invariants of a batch's metadata (B requests, T new tokens in all):
 - in a decode batch every request has exactly one new token (T == B);
 - a mixed batch (`num_decode_rows` = k > 0, not `is_decode`) starts with k decode rows (one
   new token each, so q rows 0..k-1); a backend may run them through its decode path and the
-  rest through its extend path (`split_decode_rows`), one output either way;
+  rest through its extend path (`split_decode_rows`), one output either way; the extend
+  part's device tensors that attention kernels read (query offsets, prefix lengths, page
+  table) start at 16-byte boundaries whatever k is;
 - `cascade` (decode only, optional) groups requests that share a prefix of pages; it
   changes how attention is computed, never its result (see nanoserve.attention.cascade).
 """
@@ -58,8 +60,13 @@ class AttentionMetadata:
 
     def split_decode_rows(self) -> tuple[AttentionMetadata, AttentionMetadata]:
         """A mixed batch's metadata as a decode batch of its first `num_decode_rows` rows and
-        an extend batch of the rest (their tokens start at q row k). One small device op: the
-        extend part's query offsets, shifted by k."""
+        an extend batch of the rest (their tokens start at q row k). A few small device ops:
+        the extend part's query offsets, shifted by k, and aligned copies of its prefix
+        lengths and page table when row k does not start at a 16-byte boundary. Triton
+        compiles a kernel variant per 16-byte alignment of its pointer arguments, the first
+        time each comes: with plain slices, the offline workload's mixed steps at a budget
+        of 512 handed the extend kernel three alignment patterns (counted on CPU), which the
+        warm-up would each have to meet; now they hand it one."""
         k = self.num_decode_rows
         decode_seq = self.seq_lens_host[:k]
         decode = AttentionMetadata(
@@ -77,9 +84,9 @@ class AttentionMetadata:
         extend = AttentionMetadata(
             is_decode=False,
             seq_lens=self.seq_lens[k:],
-            prefix_lens=self.prefix_lens[k:],
-            cu_query_lens=self.cu_query_lens[k:] - k,
-            page_table=self.page_table[k:],
+            prefix_lens=_aligned(self.prefix_lens[k:]),
+            cu_query_lens=self.cu_query_lens[k:] - k,  # a new tensor: aligned
+            page_table=_aligned(self.page_table[k:]),
             slot_mapping=self.slot_mapping[k:],
             seq_lens_host=self.seq_lens_host[k:],
             prefix_lens_host=self.prefix_lens_host[k:],
@@ -87,6 +94,11 @@ class AttentionMetadata:
             max_seq_len=max(self.seq_lens_host[k:]),
         )
         return decode, extend
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a contiguous copy of it (fresh: aligned) if it does not start at a 16-byte boundary."""
+    return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 class AttentionBackend(ABC):

@@ -138,7 +138,8 @@ class TritonAttentionBackend(AttentionBackend):
             n = decode.num_requests
             if out is None:
                 out = torch.empty_like(q, memory_format=torch.contiguous_format)
-            self._attend(q[:n], k[:n], v[:n], k_cache, v_cache, decode, scale, out[:n])
+            # The decode kernel reads its K/V from the cache only: no k/v rows for it.
+            self._attend(q[:n], None, None, k_cache, v_cache, decode, scale, out[:n])
             self._attend(q[n:], k[n:], v[n:], k_cache, v_cache, extend, scale, out[n:])
             return out
         return self._attend(q, k, v, k_cache, v_cache, meta, scale, out)
