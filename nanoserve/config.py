@@ -9,7 +9,7 @@ are derived in one place, `nanoserve.engine.model_runner.plan_kv_capacity`.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -27,7 +27,22 @@ _KV_DTYPES = {"fp8": torch.float8_e4m3fn}
 _KV_DTYPE_ALIASES = {"fp8_e4m3": "fp8", "float8_e4m3fn": "fp8"}
 SCHEDULE_POLICIES = ("prefill-first", "mixed")
 DEFAULT_SCHEDULE_POLICY = "prefill-first"  # to become "mixed" once GPU serving sweeps confirm it
-MIXED_STEP_TOKENS = 512  # default max_num_batched_tokens (see mixed_step_budget)
+# The mixed policy's budget (max_num_batched_tokens) while requests decode: every token of a
+# step delays their next token, so its default depends on whether anyone reads tokens as
+# they come, as vLLM's max_num_batched_tokens defaults differ between its LLM class and its
+# server:
+# - the server, `nanoserve chat` (and a bare EngineConfig): MIXED_STEP_TOKENS, small enough
+#   that a step stays short (on an H100, dummy llama-3.1-8b at 16 and 32 req/s: ITL p99 18.5
+#   and 24.4 ms; a 2048-token llama-3.1-8b chunk alone is ~40 ms of an H200);
+# - the offline `LLM` and `nanoserve generate` (`EngineConfig.for_offline`): the prefill
+#   budget, chunked_prefill_size. Their caller waits for every request to end, so only the
+#   total time counts, and small steps only add steps (qwen3-0.6b offline on an H200: 1,380
+#   steps at 512 against 1,043 under prefill-first).
+# An explicit max_num_batched_tokens wins everywhere. The budget does not follow the load:
+# a server above saturation (dummy llama-3.1-8b at 32 req/s) has a long queue yet must still
+# keep its inter-token latency, so a budget growing with the queue would break exactly the
+# runs it is there for.
+MIXED_STEP_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -47,7 +62,9 @@ class EngineConfig:
     # fill the step up to its token budget (nanoserve/scheduler/scheduler.py).
     schedule_policy: str = DEFAULT_SCHEDULE_POLICY
     # mixed: the token budget of a step in which requests decode (their tokens count); a step
-    # with none decoding takes chunked_prefill_size prompt tokens. None: min(512, chunked_prefill_size).
+    # with none decoding takes chunked_prefill_size prompt tokens. None: the entry point's
+    # default (see MIXED_STEP_TOKENS): min(512, chunked_prefill_size) for the server,
+    # chunked_prefill_size for the offline LLM (set by `for_offline`).
     max_num_batched_tokens: int | None = None
     memory_fraction: float = 0.9  # CUDA: share of free memory after weights for the KV cache
     kv_cache_tokens: int | None = None  # explicit KV capacity in tokens (default on CPU: 1 GiB)
@@ -155,12 +172,20 @@ class EngineConfig:
         return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("float16", "bfloat16") else torch.bfloat16
 
     def mixed_step_budget(self) -> int:
-        """Tokens of a mixed step while requests decode (theirs included). The default is small
-        so that their next token is not held up long by prompt chunks (on an H200 a 2048-token
-        llama-3.1-8b chunk is ~40 ms), and never above the prefill budget."""
+        """Tokens of a mixed step while requests decode (theirs included): max_num_batched_tokens,
+        else the serving default, small so that their next token is not held up long by prompt
+        chunks, and never above the prefill budget (see MIXED_STEP_TOKENS)."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return min(MIXED_STEP_TOKENS, self.chunked_prefill_size)
+
+    def for_offline(self) -> EngineConfig:
+        """This config as the offline entry points run it (the `LLM` class, `nanoserve
+        generate`): an unset max_num_batched_tokens becomes chunked_prefill_size, as nobody
+        reads a token before its request ends (see MIXED_STEP_TOKENS); an explicit one stays."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        return replace(self, max_num_batched_tokens=self.chunked_prefill_size)
 
     def torch_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """What the KV cache stores, for a model computing in `model_dtype`."""
@@ -188,8 +213,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help=f"mixed: token budget of a step while requests decode (default min({MIXED_STEP_TOKENS}, "
-        "--chunked-prefill-size); with none decoding a step takes --chunked-prefill-size)",
+        help=f"mixed: token budget of a step while requests decode (default: serve and chat min({MIXED_STEP_TOKENS}, "
+        "--chunked-prefill-size), generate --chunked-prefill-size; with none decoding a step takes "
+        "--chunked-prefill-size)",
     )
     g.add_argument("--memory-fraction", type=float, default=0.9)
     g.add_argument("--kv-cache-tokens", type=int, default=None)

@@ -26,8 +26,11 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, config: EngineConfig | None = None, **engine_args):
-        """Engine arguments are EngineConfig's fields; or pass a ready `config`."""
-        self.config = config if config is not None else EngineConfig.create(model, **engine_args)
+        """Engine arguments are EngineConfig's fields; or pass a ready `config`. Either is run
+        with the offline defaults (`EngineConfig.for_offline`: under the mixed policy, steps
+        of chunked_prefill_size tokens unless max_num_batched_tokens is given)."""
+        config = config if config is not None else EngineConfig.create(model, **engine_args)
+        self.config = config.for_offline()
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

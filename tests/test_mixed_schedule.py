@@ -271,6 +271,75 @@ def test_config_and_cli_flags():
     assert (config.schedule_policy, config.max_num_batched_tokens) == ("mixed", 256)
 
 
+def serving_engine(model_dir, *flags: str):
+    """The engine the server builds from its flags (`nanoserve serve MODEL ...` on CPU, fp32),
+    driven by `drive` like an LLM."""
+    from types import SimpleNamespace
+
+    from nanoserve.cli import build_parser
+    from nanoserve.config import engine_config_from_args
+    from nanoserve.engine.llm_engine import LLMEngine
+
+    args = build_parser().parse_args(
+        ["serve", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32", *flags]
+    )
+    return SimpleNamespace(engine=LLMEngine(engine_config_from_args(args)))
+
+
+def test_budget_per_entry_point(model_dir):
+    """The mixed budget while requests decode: the server's (and a bare EngineConfig's) default
+    is MIXED_STEP_TOKENS capped by the prefill budget; the offline LLM's and `nanoserve
+    generate`'s is the prefill budget; an explicit max_num_batched_tokens wins everywhere."""
+    from nanoserve.cli import build_parser
+    from nanoserve.config import MIXED_STEP_TOKENS, engine_config_from_args
+
+    assert MIXED_STEP_TOKENS == 512
+    assert EngineConfig().mixed_step_budget() == 512
+    assert EngineConfig().for_offline().mixed_step_budget() == 8192
+    assert EngineConfig(chunked_prefill_size=2048).for_offline().mixed_step_budget() == 2048
+    explicit = EngineConfig(max_num_batched_tokens=300)
+    assert explicit.for_offline() is explicit and explicit.mixed_step_budget() == 300
+
+    mixed, kv = ("--schedule-policy", "mixed"), ("--kv-cache-tokens", "4096")
+    assert serving_engine(model_dir, *mixed, *kv).engine.scheduler.mixed_budget == 512
+    assert serving_engine(model_dir, *mixed, *kv, "--chunked-prefill-size", "128").engine.scheduler.mixed_budget == 128
+    served = serving_engine(model_dir, *mixed, *kv, "--max-num-batched-tokens", "2048")
+    assert served.engine.scheduler.mixed_budget == 2048
+
+    def offline_budget(llm: LLM) -> int:
+        assert llm.config.max_num_batched_tokens == llm.engine.scheduler.mixed_budget
+        return llm.engine.scheduler.mixed_budget
+
+    kw = {"device": "cpu", "schedule_policy": "mixed", "kv_cache_tokens": 4096}
+    assert offline_budget(LLM(str(model_dir), **kw)) == 8192
+    assert offline_budget(LLM(str(model_dir), chunked_prefill_size=600, **kw)) == 600
+    assert offline_budget(LLM(str(model_dir), max_num_batched_tokens=24, **kw)) == 24
+    parse = build_parser().parse_args
+    generate = ["generate", "--model", str(model_dir), "--device", "cpu", *mixed, *kv]
+    assert offline_budget(LLM(config=engine_config_from_args(parse(generate)))) == 8192
+    flag = ["--max-num-batched-tokens", "256"]
+    assert offline_budget(LLM(config=engine_config_from_args(parse(generate + flag)))) == 256
+
+
+def test_offline_and_serving_budgets_keep_outputs(model_dir, hf_tokens):
+    """All prompts at once with a prefill budget above 512: the offline LLM's mixed steps fill
+    the whole prefill budget, the server's stop at 512 tokens; both give prefill-first's and
+    transformers' greedy tokens, and leave nothing behind."""
+    rng = random.Random(31)
+    arrivals = [(0, [rng.randrange(VOCAB) for _ in range(rng.randrange(150, 500))]) for _ in range(6)]
+    kw = {"device": "cpu", "dtype": "float32", "chunked_prefill_size": 600, "enable_prefix_caching": False}
+    slow, _ = drive(LLM(str(model_dir), schedule_policy="prefill-first", **kw), arrivals)
+    offline, offline_checks = drive(LLM(str(model_dir), schedule_policy="mixed", **kw), arrivals)
+    served, served_checks = drive(
+        serving_engine(model_dir, "--schedule-policy", "mixed", "--chunked-prefill-size", "600", "--no-prefix-cache"),
+        arrivals,
+    )
+    assert offline == slow == served
+    assert by_request(arrivals, offline) == hf_tokens([p for _, p in arrivals])
+    assert offline_checks.kinds["mixed"] > 0 and served_checks.kinds["mixed"] > 0
+    assert offline_checks.max_mixed_prompt_tokens > 512 >= served_checks.max_mixed_prompt_tokens
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_split_rows_start_aligned(page_size):
     """The extend part of a mixed batch hands kernels tensors that start at 16-byte boundaries
