@@ -15,6 +15,7 @@ printed measurements.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -96,6 +97,97 @@ def test_interp_fp8_dot(block, split):
 def test_interp_fp8_dot_ragged_k_block():
     # K = 200: the last 128-block is partial and masked
     check_kernel(4, 20, 200, True, LinearConfig("dot", 16, 16, 128))
+
+
+# The "fp8" kernel's variants (kernels/linear.py `_fp8_decode_kernel`): row-at-a-time FMAs,
+# the late-reduced FMA accumulator, tensor cores. With bit_cvt the FMA variants' integer
+# conversion runs in the interpreter too; the tensor-core variant's is PTX (GPU tests only).
+FP8_VARIANTS = {
+    "rows": LinearConfig("fp8", 4, 8, 64),
+    "rows_bits": LinearConfig("fp8", 4, 8, 64, bit_cvt=True),
+    "late": LinearConfig("fp8", 4, 8, 64, reduce_late=True),
+    "late_bits": LinearConfig("fp8", 4, 8, 64, reduce_late=True, bit_cvt=True),
+    "mma": LinearConfig("fp8", 16, 16, 64, mma=True),
+}
+
+
+def make_scaled(M, N, K, scales, device, dtype, seed=0):
+    """`make` with `scales` "channel", "tensor" (one scale, held per row as the layers hold it)
+    or "block"."""
+    if scales != "tensor":
+        return make(M, N, K, scales == "block", device, dtype, seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(M, K, generator=gen, device=device).to(dtype)
+    w = torch.randn(N, K, generator=gen, device=device) / K**0.5
+    scale = w.abs().max() / 448
+    q = (w / scale).to(FP8_DTYPE)
+    s = scale.expand(N).contiguous()
+    return x, q, s, x.double() @ dequantize_weight(q, s, False, torch.float64).T
+
+
+@interp
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("scales", ["channel", "tensor", "block"])
+@pytest.mark.parametrize("variant", list(FP8_VARIANTS))
+def test_interp_fp8_decode_kernel(variant, scales, split):
+    """M = 1..8 (one or two row tiles of 4 for the FMA variants), ragged N, K a multiple of the
+    K step (320: two and a half scale blocks) and not (200), split-K ragged at K."""
+    config = dataclasses.replace(FP8_VARIANTS[variant], split_k=split)
+    for N, K in ((20, 320), (12, 200)):
+        for M in range(1, 9):
+            x, q, s, ref = make_scaled(M, N, K, scales, "cpu", torch.float32, seed=M)
+            out = torch.full((M, N), float("nan"))
+            klinear.small_m_linear(x, q, None, config, out=out, w_scale=s, block_scale=scales == "block")
+            assert not torch.isnan(out).any(), f"unwritten element ({config}, M={M})"
+            err = rel_err(out, ref)
+            assert err < 1e-5, f"{config} M={M} N={N} K={K} {scales}: relative error {err:.2e}"
+
+
+@interp
+@pytest.mark.parametrize("variant", list(FP8_VARIANTS))
+def test_interp_fp8_decode_kernel_bias_bf16_repeatable(variant):
+    """bf16 activations and output with a bias (one rounding: within one bf16 ulp of the fp32
+    result, as the interpreter's fp32 -> bf16 cast truncates), and repeat runs bit-identical,
+    split or not."""
+    for split in (1, 2):
+        config = dataclasses.replace(FP8_VARIANTS[variant], split_k=split)
+        x, q, s, ref = make(5, 24, 256, False, "cpu", torch.bfloat16)
+        b = torch.randn(24).to(torch.bfloat16)
+        ref = ref + b.double()
+        out = klinear.small_m_linear(x, q, b, config, w_scale=s)
+        again = klinear.small_m_linear(x, q, b, config, w_scale=s)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, again)
+        assert ((out.double() - ref).abs() <= ref.abs() * 2**-7 + 1e-6).all(), config
+
+
+@interp
+@pytest.mark.parametrize("variant", list(FP8_VARIANTS))
+def test_interp_fp8_decode_kernel_every_e4m3_value_exact(variant):
+    """W holds every finite e4m3 code (subnormals included), each row of x picks one column:
+    the fp32 output is that weight times its row's scale exactly (the bit conversion and the
+    2^120 it leaves to the scales included)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE)
+    codes = codes[~codes.float().isnan()]  # 254 values
+    N, K = 16, 256
+    q = codes[torch.arange(N * K) % codes.numel()].reshape(N, K)
+    s = torch.linspace(0.5, 2.0, N) / 448
+    picks = [0, 1, 7, 100, 127, 128, 200, 255]
+    x = torch.zeros(len(picks), K)
+    x[torch.arange(len(picks)), picks] = 1.0
+    out = torch.empty(len(picks), N)
+    klinear.small_m_linear(x, q, None, FP8_VARIANTS[variant], out=out, w_scale=s)
+    assert torch.equal(out, (q.float()[:, picks] * s[:, None]).T)
+
+
+def test_fp8_decode_kernel_rejects_bad_configs():
+    x, q, s, _ = make(2, 8, 256, False, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="FP8 weights"):
+        klinear.small_m_linear(x, q.float(), None, LinearConfig("fp8", 2, 8, 64))
+    with pytest.raises(ValueError, match=">= 16"):
+        klinear.small_m_linear(x, q, None, LinearConfig("fp8", 2, 16, 64, mma=True), w_scale=s)
+    xb, qb, sb, _ = make(2, 8, 256, True, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="dividing 128"):
+        klinear.small_m_linear(xb, qb, None, LinearConfig("fp8", 2, 8, 256), w_scale=sb, block_scale=True)
 
 
 @interp
@@ -182,6 +274,67 @@ def test_gpu_fp8_random_shapes(M):
         K = 128 * int(torch.randint(1, 40, (1,), generator=gen))
         for block in (False, True):
             _gpu_case(M, N, K, block, seed=N + K)
+
+
+# One config per variant of the "fp8" kernel, with and without the PTX conversion.
+GPU_FP8_CONFIGS = [
+    LinearConfig("fp8", 8, 16, 256, num_warps=4),
+    LinearConfig("fp8", 8, 16, 512, num_warps=4, bit_cvt=True, split_k=2),
+    LinearConfig("fp8", 1, 4, 1024, num_warps=2, reduce_late=True, bit_cvt=True),
+    LinearConfig("fp8", 16, 64, 128, num_warps=4, mma=True),
+    LinearConfig("fp8", 16, 64, 128, num_warps=4, mma=True, bit_cvt=True, split_k=4),
+]
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("block", [False, True])
+def test_gpu_fp8_decode_kernel_variants(M, block):
+    for config in GPU_FP8_CONFIGS:
+        if block:  # a K step within one 128-wide scale block
+            config = dataclasses.replace(config, block_k=min(config.block_k, 128))
+        for N, K in [(6144, 4096), (4096, 14336), (3072, 4096), (4096, 7168)]:
+            x, q, s, ref = make(M, N, K, block, "cuda", torch.bfloat16)
+            out = klinear.small_m_linear(x, q, None, config, w_scale=s, block_scale=block)
+            err = rel_err(out, ref)
+            print(f"fp8 kernel {config} {'block' if block else 'channel'} M={M} N={N} K={K}: rel err {err:.3e}")
+            assert err < TOL_TRITON, f"{config} M={M} N={N} K={K}: {err:.3e}"
+
+
+@gpu
+@pytest.mark.parametrize("config", GPU_FP8_CONFIGS, ids=str)
+def test_gpu_fp8_decode_kernel_every_e4m3_value(config):
+    """W holds every finite e4m3 code, subnormals included (so the PTX conversion and the
+    products are exact), bf16 x; the fp32 output (unrounded) against the fp64 reference."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE)
+    codes = codes[~codes.float().isnan()]
+    N, K = 256, 4096
+    gen = torch.Generator().manual_seed(1)
+    picks = torch.randint(0, codes.numel(), (N, K), generator=gen)
+    q = codes[picks].cuda()
+    s = torch.rand(N, generator=gen).add(0.5).cuda() / 448
+    x = torch.randn(3, K, generator=gen).to(torch.bfloat16).cuda()
+    ref = x.double() @ dequantize_weight(q, s, False, torch.float64).T
+    out = torch.empty(3, N, dtype=torch.float32, device="cuda")
+    klinear.small_m_linear(x, q, None, config, out=out, w_scale=s)
+    err = rel_err(out, ref)
+    print(f"every e4m3 value, {config}: rel err {err:.3e}")
+    assert err < 1e-5
+
+
+@gpu
+@pytest.mark.parametrize("config", GPU_FP8_CONFIGS, ids=str)
+def test_gpu_fp8_decode_kernel_in_cuda_graph(config):
+    """Captured and replayed (PDL on): equal to the eager result bit for bit, and repeatable."""
+    x, q, s, _ = make(4, 4096, 4096, False, "cuda", torch.bfloat16)
+    eager = klinear.small_m_linear(x, q, None, config, w_scale=s)
+    assert torch.equal(eager, klinear.small_m_linear(x, q, None, config, w_scale=s))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = klinear.small_m_linear(x, q, None, config, w_scale=s)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
 
 
 @gpu

@@ -10,7 +10,12 @@ M; these kernels stream W once with wide loads:
   optionally split along K (`split_k` programs per output tile, each storing its fp32
   partial to a workspace [split_k, M, N]; a second kernel adds the partials in split order
   and rounds once, or `norm.rms_norm` adds them when it is the product's only consumer).
-`linear_config(M, N, K, dtype)` is the rule: a config, or None where cuBLAS is as fast.
+- "fp8": FP8 weights at few rows (`_fp8_decode_kernel`): each W tile converted once for all
+  rows, then CUDA-core FMAs (row at a time, or the "fma" scheme) or tensor cores, the
+  conversion by bit operations or Triton's cast, split-K as "dot" (config knobs `mma`,
+  `reduce_late`, `bit_cvt`, `split_k`).
+`linear_config(M, N, K, dtype)` is the rule: a config, or None where cuBLAS is as fast;
+`fp8_linear_config` the FP8 weights' (the bf16 rule until the "fp8" kernel is measured into it).
 `linear_reference` is the torch reference the tests compare with.
 
 Invariants:
@@ -60,7 +65,11 @@ class LinearConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 1
-    split_k: int = 1  # "dot" only: programs along K, their fp32 partials summed by a second kernel
+    split_k: int = 1  # "dot" and "fp8": programs along K, their fp32 partials summed by a second kernel
+    # "fp8" only (FP8 weights, `_fp8_decode_kernel`'s variants):
+    mma: bool = False  # tensor-core products W tile x x^T (rows padded to block_m >= 16); else CUDA-core FMAs
+    bit_cvt: bool = False  # e4m3 by bit operations (see `_fp8_decode_kernel`); else Triton's cast
+    reduce_late: bool = False  # FMA: one [block_m, block_n, block_k] accumulator reduced after the K loop
 
 
 SUM_BLOCK = 1024  # columns per program of the split-K sum
@@ -200,6 +209,179 @@ def _linear_dot_kernel(
 
 
 @triton.jit
+def _e4m3_to_bf16(w):
+    """FP8 e4m3 values as bf16, exactly (every e4m3 value is a bf16 value), in inline PTX: per
+    4 bytes, two byte permutes put each byte in the high byte of a 16-bit half, a shift and masks
+    move its exponent and mantissa into bf16's fields (which reads the value times 2^-120: e4m3's
+    exponent bias is 7, bf16's 127; e4m3 subnormals become bf16 subnormals), and one bf16x2 FMA
+    by 2^120 (plus -0) restores it, exactly. (e4m3's NaN encodings would read as 480; weights
+    hold none.) Triton's own cast goes through fp16 and fp32 conversions, slower per element."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 a, b, t, c, z, zero;
+        mov.b32 zero, 0;
+        mov.b32 c, 0x7B807B80;
+        mov.b32 z, 0x80008000;
+        prmt.b32 a, $2, zero, 0x1404;
+        prmt.b32 b, $2, zero, 0x3424;
+        shr.b32 t, a, 4;
+        and.b32 t, t, 0x07F007F0;
+        and.b32 a, a, 0x80008000;
+        or.b32 a, a, t;
+        fma.rn.bf16x2 $0, a, c, z;
+        shr.b32 t, b, 4;
+        and.b32 t, t, 0x07F007F0;
+        and.b32 b, b, 0x80008000;
+        or.b32 b, b, t;
+        fma.rn.bf16x2 $1, b, c, z;
+        }""",
+        "=r,=r,r",
+        [w.to(tl.uint8, bitcast=True)],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _e4m3_bits_as_f32(w):
+    """e4m3 values times 2^-120 as fp32, by integer operations: the byte's sign to fp32's sign
+    bit, its exponent and mantissa to the low bits of fp32's exponent and the top of its mantissa
+    (e4m3's exponent bias is 7, fp32's 127: a factor 2^-120; e4m3 subnormals become fp32
+    subnormals, exactly). An arithmetic shift right by 4 of the byte placed in the top 8 bits
+    puts both in place at once; -0x78100000 is the mask 0x87F00000 as an int32."""
+    t = w.to(tl.uint8, bitcast=True).to(tl.int32) << 24
+    return ((t >> 4) & -0x78100000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """acc + a b on tensor cores; fp32 operands (the interpreter's upcast) in IEEE fp32."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _fp8_decode_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, s_ptr,
+    M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, stride_sn,
+    W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, MMA: tl.constexpr, BITS: tl.constexpr,
+    REDUCE_LATE: tl.constexpr, UPCAST: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """FP8 weights, few rows. Program (n, m, s): outputs rn of rows rm over K[s * K_SPLIT,
+    (s + 1) * K_SPLIT) (as `_linear_dot_kernel`: K_SPLIT a multiple of BLOCK_K, and of 128 under
+    block scales; SPLIT_K > 1 stores unrounded fp32 partials into plane s of the workspace y).
+    Each K step loads a [BLOCK_N, BLOCK_K] tile of FP8 W (16-byte loads along K), converts it
+    once for all rows, then:
+    - MMA: tensor cores, the converted tile (as x's dtype) times x^T [BLOCK_K, BLOCK_M] (rows
+      past M zero) into a [BLOCK_N, BLOCK_M] fp32 accumulator;
+    - REDUCE_LATE: fp32 FMAs into a [BLOCK_M, BLOCK_N, BLOCK_K] accumulator, reduced over K once
+      after the loop (the "fma" kernel's scheme);
+    - otherwise fp32 FMAs one row at a time (a static loop over ROWS rows), each row's products
+      reduced over the K step into column m of a [BLOCK_N, BLOCK_M] accumulator (registers
+      ~ one tile, whatever the row count).
+    BITS (Triton's cast otherwise: fp8 -> fp16 -> fp32, per-element conversions are the FMA
+    GEMV's bottleneck): MMA converts to bf16 in PTX (`_e4m3_to_bf16`, exact); the FMA variants
+    multiply x by the weights read as fp32 times 2^-120 (`_e4m3_bits_as_f32`, integer ops) and
+    scale the sums by 2^120 once (with the per-channel scale; block scales carry it). Products
+    and sums stay fp32 FMAs (subnormal weights are fp32 subnormals, exact); a partial sum below
+    2^-6 (in FP8 units) is an fp32 subnormal and keeps fewer bits, far below the output rounding.
+    Block scales (W_SCALE 2; 128 % BLOCK_K == 0, so a K step lies in one scale block) multiply
+    each step's per-output sums (REDUCE_LATE: the weights); per-channel scales (W_SCALE 1) the
+    final sums, once per output (per partial under split-K)."""
+    rm, rn, rk = _tile_ranges(BLOCK_M, BLOCK_N, BLOCK_K)
+    k_lo = 0
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(2) * K_SPLIT
+        rk += k_lo
+    rm_in = tl.minimum(rm, M - 1).to(tl.int64)
+    rn_in = tl.minimum(rn, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + rn_in[:, None] * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + rm_in[:, None] * stride_xm + rk[None, :]
+    cols = tl.arange(0, BLOCK_M)  # the accumulator's column of each row (MMA and row-at-a-time)
+    if REDUCE_LATE and not MMA:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if USE_PDL:  # pull the first weight tile into L2 while the previous kernel finishes
+        lines = tl.minimum(k_lo + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
+        _prefetch_l2(w_ptr + rn_in[:, None] * stride_wn + lines[None, :])
+        pdl_start(USE_PDL)
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        k_mask = (k0 + rk) < K
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+        if W_SCALE == 2:
+            kb = tl.minimum(k_lo + k0, K - 1) // 128
+            s_blk = tl.load(s_ptr + (rn_in // 128) * stride_sn + kb)
+            if BITS and not MMA:
+                s_blk *= 1.329227995784916e36  # 2^120: the weights' factor 2^-120 undone with the scale
+        if MMA:  # x^T's columns past M are zeros (masked: no loads), never stored
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=(rm < M)[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=(rm < M)[:, None] & k_mask[None, :], other=0.0)
+            if BITS:
+                wc = _e4m3_to_bf16(w)
+            else:
+                wc = w.to(x.dtype)  # exact: e4m3 values are bf16, fp16 and fp32 values
+            if UPCAST or x.dtype == tl.float32:
+                wc = wc.to(tl.float32)
+                x = x.to(tl.float32)
+            if W_SCALE == 2:  # this step's products, scaled once per output
+                acc += _dot(wc, tl.trans(x), tl.zeros_like(acc)) * s_blk[:, None]
+            else:
+                acc = _dot(wc, tl.trans(x), acc)
+        else:
+            if BITS:
+                wf = _e4m3_bits_as_f32(w)  # times 2^-120
+            else:
+                wf = w.to(tl.float32)
+            if REDUCE_LATE:
+                if EVEN_K:
+                    x = tl.load(x_ptrs)
+                else:
+                    x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+                if W_SCALE == 2:
+                    wf *= s_blk[:, None]
+                acc += x.to(tl.float32)[:, None, :] * wf[None, :, :]
+            else:
+                for m in tl.static_range(ROWS):
+                    row = tl.minimum(tl.program_id(1) * BLOCK_M + m, M - 1).to(tl.int64)
+                    xm_ptrs = x_ptr + row * stride_xm + (k0 + rk)[None, :]  # [1, BLOCK_K]
+                    if EVEN_K:
+                        xm = tl.load(xm_ptrs)
+                    else:
+                        xm = tl.load(xm_ptrs, mask=k_mask[None, :], other=0.0)
+                    pm = tl.sum(wf * xm.to(tl.float32), axis=1)
+                    if W_SCALE == 2:
+                        pm *= s_blk
+                    acc = tl.where((cols == m)[None, :], acc + pm[:, None], acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if REDUCE_LATE and not MMA:
+        y = tl.sum(acc, axis=2)
+    else:
+        y = tl.trans(acc)
+    if W_SCALE == 1:  # per-channel scales: once per output (per partial under split-K)
+        if BITS and not MMA:
+            y *= 1.329227995784916e36  # 2^120 (exact)
+        y *= tl.load(s_ptr + rn_in)[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K > 1:
+        plane = y_ptr + tl.program_id(2).to(tl.int64) * M * N
+        tl.store(plane + rm.to(tl.int64)[:, None] * N + rn[None, :], y, mask=mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn_in).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _sum_planes(ptrs, plane, mask, SPLITS: tl.constexpr):
     """The split-K partials at `ptrs` in planes `plane` elements apart, added in split order
     in fp32 (the one order every reader of a split-K workspace uses)."""
@@ -306,8 +488,8 @@ def _linear_launches(
     if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != K:
         raise ValueError("small_m_linear needs x [M, K] and weight [N, K] with dense last dims")
     c = config
-    if c.split_k < 1 or (c.split_k > 1 and c.kernel != "dot"):
-        raise ValueError(f"split_k={c.split_k}: only the dot kernel splits K (split_k >= 1)")
+    if c.split_k < 1 or (c.split_k > 1 and c.kernel == "fma"):
+        raise ValueError(f"split_k={c.split_k}: only the dot and fp8 kernels split K (split_k >= 1)")
     if (w_scale is not None) != (weight.dtype == FP8_WEIGHT):
         raise ValueError("an FP8 weight needs its w_scale, and only an FP8 weight takes one")
     if block_scale and c.kernel == "dot" and c.block_k != 128:  # then every split starts on a block
@@ -356,6 +538,8 @@ def _linear_launches(
         }
         options.update(common)
         return [(_linear_fma_kernel, grid[:2], args, options)]
+    if c.kernel == "fp8":
+        return _fp8_launches(x, weight, bias, c, out, s, stride_s, block_scale, common, launch, grid)
     # Each split covers a whole number of K blocks; EVEN_K: every split's blocks lie within K.
     k_split = triton.cdiv(triton.cdiv(K, c.split_k), c.block_k) * c.block_k
     even_k = K % (c.block_k * c.split_k) == 0
@@ -370,6 +554,47 @@ def _linear_launches(
     sum_options = {"HAS_BIAS": bias is not None, "SPLIT_K": c.split_k, "BLOCK": block, "num_warps": 4, **launch}
     return [
         (_linear_dot_kernel, grid, args, {"HAS_BIAS": False, **dot}),
+        (_sum_splits_kernel, (triton.cdiv(N, block), M), sum_args, sum_options),
+    ]
+
+
+def _fp8_launches(x, weight, bias, c, out, s, stride_s, block_scale, common, launch, grid) -> list[tuple]:
+    """The launches of the "fp8" kernel (`_linear_launches`' arguments, checked there)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.dtype != FP8_WEIGHT:
+        raise ValueError("the fp8 kernel takes FP8 weights (with their w_scale) only")
+    if block_scale and 128 % c.block_k:
+        raise ValueError("block-scaled FP8 through the fp8 kernel needs block_k dividing 128")
+    if c.mma and min(c.block_m, c.block_n, c.block_k) < 16:
+        raise ValueError("the fp8 kernel's mma variant needs block_m, block_n and block_k >= 16")
+    # Each split covers a whole number of K steps (of scale blocks under block scales).
+    unit = 128 if block_scale and c.split_k > 1 else c.block_k
+    k_split = triton.cdiv(triton.cdiv(K, c.split_k), unit) * unit
+    options = {
+        "W_SCALE": 2 if block_scale else 1,
+        "ROWS": min(M, c.block_m) if not (c.mma or c.reduce_late) else 1,  # (one compile for every M)
+        "SPLIT_K": c.split_k,
+        "EVEN_K": k_split * c.split_k == K,
+        "MMA": c.mma,
+        # MMA's bit conversion is PTX (bf16 x; the interpreter runs Triton's cast instead)
+        "BITS": c.bit_cvt and (not c.mma or (not INTERPRET and x.dtype == torch.bfloat16)),
+        "REDUCE_LATE": c.reduce_late,
+        "UPCAST": DOT_F32,
+        "LINE": min(c.block_k, 128),  # FP8: one element per byte, 128 per L2 line
+        **common,
+    }
+    b = bias if bias is not None else weight
+    if c.split_k == 1:
+        args = (x, weight, b, out, s, M, N, K, k_split, x.stride(0), weight.stride(0), out.stride(0), stride_s)
+        return [(_fp8_decode_kernel, grid, args, {"HAS_BIAS": bias is not None, **options})]
+    ws = torch.empty(c.split_k, M, N, dtype=torch.float32, device=x.device)
+    args = (x, weight, b, ws, s, M, N, K, k_split, x.stride(0), weight.stride(0), N, stride_s)
+    block = min(SUM_BLOCK, triton.next_power_of_2(N))
+    sum_args = (ws, b, out, M, N, out.stride(0))
+    sum_options = {"HAS_BIAS": bias is not None, "SPLIT_K": c.split_k, "BLOCK": block, "num_warps": 4, **launch}
+    return [
+        (_fp8_decode_kernel, grid, args, {"HAS_BIAS": False, **options}),
         (_sum_splits_kernel, (triton.cdiv(N, block), M), sum_args, sum_options),
     ]
 
@@ -405,9 +630,12 @@ def _linear_launches(
 # Split-K configs are only returned where each split is a whole number of K blocks
 # (K % (split_k * block_k) == 0): no masked tail, every split the same length.
 # FP8 weights (`small_m_linear(w_scale=...)`) take the same rule as bf16 for now: the same
-# kernels stream half the bytes, so where they beat cuBLAS in bf16 they should beat cuBLAS's
-# FP8 path too (to be measured: benchmarks/probes/gemm_decode.py). Block-scaled FP8 has no cuBLAS
-# path: `block_fp8_config` gives its Triton tiles at every M the rule leaves to cuBLAS.
+# kernels stream half the bytes. Measured on an H200 (2026-11-25, RESULTS.md) that is 1.67x
+# faster than bf16 per llama layer at M = 1, but slower than bf16 at M = 2 and 4, where the
+# rule leaves llama's shapes to cuBLASLt's FP8 GEMM (1.0-1.2 TB/s). The "fp8" kernel enters
+# through `fp8_linear_config` once benchmarks/probes/fp8_decode_sweep.py has measured it.
+# Block-scaled FP8 has no cuBLAS path: `block_fp8_config` gives its Triton tiles at every M the
+# rule leaves to cuBLAS.
 MAX_M = 256
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 _rule_cache: dict[tuple[int, int, int, torch.dtype], LinearConfig | None] = {}
@@ -457,6 +685,25 @@ def _choose_few_rows(M: int, N: int, K: int) -> LinearConfig | None:
         return LinearConfig("fma", triton.next_power_of_2(M), 2, 512, num_warps=4)
     if N >= 65536:
         return LinearConfig("dot", 16, 64, 128, num_warps=4, num_stages=3)
+    return None
+
+
+def fp8_linear_config(M: int, N: int, K: int, dtype: torch.dtype, block: bool = False) -> LinearConfig | None:
+    """The launch config for x [M, K] times an FP8 weight [N, K]^T (block: 128x128 block scales,
+    else per-channel) on CUDA, or None for cuBLASLt's FP8 GEMM (per-channel) or
+    `block_fp8_config` (block). M = 1..8: `_choose_fp8_few_rows` where it names an "fp8" kernel
+    config; otherwise, and for now everywhere, the bf16 rule (`linear_config`).
+    (benchmarks/probes/fp8_decode_sweep.py times the candidates against cuBLASLt and this rule.)"""
+    if dtype in _FAST_DTYPES and 1 <= M <= 8 and K % 16 == 0:
+        config = _choose_fp8_few_rows(M, N, K, block)
+        if config is not None:
+            return config
+    return linear_config(M, N, K, dtype)
+
+
+def _choose_fp8_few_rows(M: int, N: int, K: int, block: bool) -> LinearConfig | None:
+    """M = 1..8 with FP8 weights: an "fp8" kernel config (block scales need 128 % block_k == 0),
+    or None to keep the bf16 rule's choice. None yet: to be set from the sweep's measurements."""
     return None
 
 
