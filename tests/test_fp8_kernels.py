@@ -100,14 +100,16 @@ def test_interp_fp8_dot_ragged_k_block():
 
 
 # The "fp8" kernel's variants (kernels/linear.py `_fp8_decode_kernel`): row-at-a-time FMAs,
-# the late-reduced FMA accumulator, tensor cores. With bit_cvt the FMA variants' integer
-# conversion runs in the interpreter too; the tensor-core variant's is PTX (GPU tests only).
+# the late-reduced FMA accumulator, tensor cores; with and without prefetching the next K step.
+# With bit_cvt the FMA variants' integer conversion runs in the interpreter too; the
+# tensor-core variant's is PTX (GPU tests only).
 FP8_VARIANTS = {
     "rows": LinearConfig("fp8", 4, 8, 64),
-    "rows_bits": LinearConfig("fp8", 4, 8, 64, bit_cvt=True),
+    "rows_bits_prefetch": LinearConfig("fp8", 4, 8, 64, bit_cvt=True, prefetch=True),
     "late": LinearConfig("fp8", 4, 8, 64, reduce_late=True),
-    "late_bits": LinearConfig("fp8", 4, 8, 64, reduce_late=True, bit_cvt=True),
+    "late_bits_prefetch": LinearConfig("fp8", 4, 8, 64, reduce_late=True, bit_cvt=True, prefetch=True),
     "mma": LinearConfig("fp8", 16, 16, 64, mma=True),
+    "mma_prefetch": LinearConfig("fp8", 16, 16, 64, mma=True, prefetch=True),
 }
 
 
@@ -279,10 +281,10 @@ def test_gpu_fp8_random_shapes(M):
 # One config per variant of the "fp8" kernel, with and without the PTX conversion.
 GPU_FP8_CONFIGS = [
     LinearConfig("fp8", 8, 16, 256, num_warps=4),
-    LinearConfig("fp8", 8, 16, 512, num_warps=4, bit_cvt=True, split_k=2),
-    LinearConfig("fp8", 1, 4, 1024, num_warps=2, reduce_late=True, bit_cvt=True),
+    LinearConfig("fp8", 8, 16, 512, num_warps=4, bit_cvt=True, split_k=2, prefetch=True),
+    LinearConfig("fp8", 1, 4, 1024, num_warps=2, reduce_late=True, bit_cvt=True, prefetch=True),
     LinearConfig("fp8", 16, 64, 128, num_warps=4, mma=True),
-    LinearConfig("fp8", 16, 64, 128, num_warps=4, mma=True, bit_cvt=True, split_k=4),
+    LinearConfig("fp8", 16, 64, 128, num_warps=4, mma=True, bit_cvt=True, split_k=4, prefetch=True),
 ]
 
 

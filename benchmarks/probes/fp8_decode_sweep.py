@@ -15,7 +15,8 @@ than 256 MB (every call streams its weight from HBM), median of 20 replays
 - "rule": `layers.fp8_linear` on the per-channel FP8 weight: what the engine runs now
   (`linear_config`'s Triton config, else smm);
 - every config of `candidates(M)`: the "fp8" kernel's variants (rows / late / mma, with and
-  without the bit-operation e4m3 conversion `bits`, split-K `k<S>`) and two of the older kernels' configs.
+  without the bit-operation e4m3 conversion `bits`, split-K `k<S>`, prefetching `pf`) and one
+  config of the older "dot" kernel.
 Each method's output is first checked against x W_deq^T in fp32 (max |error| / max |ref|; a
 Triton config above 2e-2 is marked FAIL and not timed; smm quantizes x, so it is only printed).
 Printed per (shape, M): the baselines, the fastest fp8-kernel config and the next ones, µs and
@@ -70,43 +71,47 @@ ROTATE_BYTES = 256 << 20
 TOL = 2e-2  # max |error| / max |ref| of a Triton config (bf16 output rounding is ~4e-3 of an element)
 
 
-def fp8(bm, bn, bk, warps=4, stages=1, split=1, mma=False, bits=True, late=False) -> LinearConfig:
-    return LinearConfig("fp8", bm, bn, bk, warps, stages, split, mma=mma, bit_cvt=bits, reduce_late=late)
+def fp8(bm, bn, bk, warps=4, stages=1, split=1, mma=False, bits=False, late=False, pf=False) -> LinearConfig:
+    return LinearConfig("fp8", bm, bn, bk, warps, stages, split, mma=mma, bit_cvt=bits, reduce_late=late, prefetch=pf)
 
 
 def candidates(M: int) -> list[LinearConfig]:
-    """The configs timed at M rows (12-14: the compile count keeps the run short). The tensor-core
-    and late-reduced configs compile once for every M > 1; row-at-a-time ones once per M."""
+    """The configs timed at M rows (14: the compile count keeps the run short; tensor-core and
+    late-reduced configs compile once for every M > 1, row-at-a-time ones once per M). FMA
+    variants mostly with Triton's cast (F2FP + HADD2: fewer instructions than the bit
+    conversion's shifts and masks), tensor-core ones mostly with the bits (Triton's cast to bf16
+    adds an F2F per element there)."""
     if M == 1:
         return [
-            fp8(1, 4, 1024, 2, late=True),  # the fma GEMV's scheme with the bit conversion
-            fp8(1, 4, 1024, 2, late=True, bits=False),  # ... and with Triton's cast (= the fma kernel)
+            fp8(1, 4, 1024, 2, late=True),  # = the fma GEMV (the rule's config)
+            fp8(1, 4, 1024, 2, late=True, bits=True),
+            fp8(1, 4, 1024, 2, late=True, pf=True),
             fp8(1, 8, 1024, 4, late=True),
+            fp8(1, 8, 1024, 4, late=True, pf=True),
             fp8(1, 4, 2048, 4, late=True),
             fp8(1, 4, 512, 4),  # a row per warp, 16-byte loads, reduced every step
             fp8(1, 8, 512, 8),
-            fp8(1, 4, 1024, 2),
-            fp8(1, 16, 256, 4),
-            fp8(16, 64, 256, 4, split=2, mma=True),
-            fp8(16, 64, 128, 4, split=4, mma=True),
-            fp8(16, 32, 256, 4, mma=True),
-            LinearConfig("fma", 1, 8, 1024, num_warps=4),
+            fp8(1, 8, 1024, 4),
+            fp8(1, 4, 512, 4, bits=True),
+            fp8(16, 64, 128, 4, 3, split=4, mma=True, bits=True),
+            fp8(16, 64, 256, 4, 3, split=4, mma=True, bits=True),
+            fp8(16, 64, 128, 4, 4, split=8, mma=True, bits=True),
+            fp8(16, 64, 256, 4, 2, split=2, mma=True, bits=True),
         ]
     p = triton.next_power_of_2(M)
     found = [
         fp8(p, 8, 512, 4),  # rows: one converted W tile, a static loop over the rows
-        fp8(p, 8, 512, 4, bits=False),
+        fp8(p, 8, 512, 4, bits=True),
         fp8(p, 16, 256, 4),
         fp8(p, 16, 512, 8),
-        fp8(p, 8, 512, 4, split=2),
-        fp8(16, 64, 128, 4, mma=True),  # tensor cores, x^T padded to 16 columns
-        fp8(16, 64, 128, 4, split=2, mma=True),
-        fp8(16, 64, 128, 4, split=4, mma=True),
+        fp8(16, 64, 128, 4, split=4, mma=True, bits=True),  # tensor cores, x^T padded to 16 columns
+        fp8(16, 64, 128, 4, 3, split=4, mma=True, bits=True),  # stages: cp.async W and x buffers
+        fp8(16, 64, 128, 4, 4, split=8, mma=True, bits=True),
+        fp8(16, 64, 256, 4, 2, split=2, mma=True, bits=True),
+        fp8(16, 64, 256, 4, 3, split=4, mma=True, bits=True),
+        fp8(16, 128, 128, 8, 3, split=4, mma=True, bits=True),
         fp8(16, 64, 128, 4, 3, split=4, mma=True),
-        fp8(16, 64, 256, 4, split=2, mma=True),
-        fp8(16, 64, 256, 4, split=4, mma=True),
-        fp8(16, 128, 128, 4, split=2, mma=True),
-        fp8(16, 64, 128, 4, split=4, mma=True, bits=False),
+        fp8(16, 64, 256, 4, split=4, mma=True, bits=True, pf=True),
         LinearConfig("dot", 16, 64, 128, num_warps=4, num_stages=4, split_k=4),
     ]
     if M <= 4:
@@ -121,7 +126,7 @@ def describe(c: LinearConfig | None) -> str:
     name = f"{kind} {c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps}"
     name += f" st{c.num_stages}" if c.num_stages > 1 else ""
     name += f" k{c.split_k}" if c.split_k > 1 else ""
-    return name + (" bits" if c.bit_cvt else "")
+    return name + (" bits" if c.bit_cvt else "") + (" pf" if c.prefetch else "")
 
 
 def max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -214,13 +219,13 @@ def cell_line(records: list[dict]) -> str:
     r0 = records[0]
     head = f"{r0['shape']} {r0['N']}x{r0['K']} M={r0['M']}:"
     smm, rule = by["smm"], by["rule"]
-    line = f"{head} bf16 {by['bf16']['us']:.1f} | smm {smm['us']:.1f} {smm['tbs']:.2f} (e{smm.get('max_err', math.nan):.0e})"
-    line += f" | rule[{rule['rule_config']}] {rule['us']:.1f}"
+    line = f"{head} bf16 {by['bf16']['us']:.1f} | smm {smm['us']:.1f} {smm['tbs']:.2f}"
+    line += f" | rule[{rule['rule_config']}] {rule['us']:.1f} {rule['tbs']:.2f}"
     cands = sorted((r for r in records[3:] if not math.isnan(r["us"])), key=lambda r: r["us"])
     if cands:
         b = cands[0]
-        line += f" || best {b['method']} {b['us']:.1f} us {b['tbs']:.2f} TB/s e{b['max_err']:.0e}"
-        line += "; next " + ", ".join(f"{r['method']} {r['us']:.1f}" for r in cands[1:3])
+        line += f" | best {b['method']} {b['us']:.1f} {b['tbs']:.2f} e{b['max_err']:.0e}"
+        line += "".join(f" | {r['method']} {r['us']:.1f}" for r in cands[1:2])
     bad = [r for r in records if r.get("note")]
     if bad:  # each method's first message in full, then only its name
         notes = [r["method"] + ("" if r["method"] in _noted else f": {r['note'][:80]}") for r in bad]
@@ -248,7 +253,7 @@ def summary(records: list[dict], ms: list[int]) -> str:
             if all((lb, M) in cell for lb in labels):
                 sums = [sum(us(cell[(lb, M)], m) for lb in labels) for m in ("bf16", "smm", "rule", None)]
                 lines.append(f"  {model} M={M}: " + " | ".join(f"{v:.1f}" for v in sums))
-    lines += ["", "fastest fp8 config per shape and M (us; x of the faster of smm and rule):"]
+    lines += ["", "fastest fp8 config per shape and M: us (its time / the faster of smm and rule)"]
     for label, _, _ in SHAPES:
         got = []
         for M in ms:
@@ -260,7 +265,7 @@ def summary(records: list[dict], ms: list[int]) -> str:
                 continue
             b = min(cands, key=lambda r: r["us"])
             base = min(us(rs, "smm"), us(rs, "rule"))
-            got.append(f"M{M} {b['method']} {b['us']:.1f} ({b['us'] / base:.2f}x)")
+            got.append(f"M{M} {b['method']} {b['us']:.1f} ({b['us'] / base:.2f})")
         if got:
             lines.append(f"  {label}: " + " | ".join(got))
     return "\n".join(lines)
@@ -331,7 +336,7 @@ def main() -> None:
           f"pdl {launch_options(torch.device('cuda'))['USE_PDL']}", flush=True)  # fmt: skip
     plan = [(M, N, K, candidates(M)) for _, N, K in shapes for M in args.ms]
     precompile(plan, args.jobs)
-    print("per call us; smm/best: TB/s of FP8 bytes, e = max |err| / max |ref|", flush=True)
+    print("per call: us, then TB/s of FP8 bytes (bf16: us only); e = max |err| / max |ref|; best, 2nd", flush=True)
     records = run(shapes, args.ms, lambda calls: graph_ms(calls) * 1e3, "cuda", args.budget, start, ROTATE_BYTES)
     print(summary(records, args.ms), flush=True)
     if out:

@@ -70,6 +70,7 @@ class LinearConfig:
     mma: bool = False  # tensor-core products W tile x x^T (rows padded to block_m >= 16); else CUDA-core FMAs
     bit_cvt: bool = False  # e4m3 by bit operations (see `_fp8_decode_kernel`); else Triton's cast
     reduce_late: bool = False  # FMA: one [block_m, block_n, block_k] accumulator reduced after the K loop
+    prefetch: bool = False  # load the next K step's W (and x tile) before computing this one's
 
 
 SUM_BLOCK = 1024  # columns per program of the split-K sum
@@ -268,7 +269,8 @@ def _fp8_decode_kernel(
     M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, stride_sn,
     W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, MMA: tl.constexpr, BITS: tl.constexpr,
-    REDUCE_LATE: tl.constexpr, UPCAST: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
+    REDUCE_LATE: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, LINE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """FP8 weights, few rows. Program (n, m, s): outputs rn of rows rm over K[s * K_SPLIT,
     (s + 1) * K_SPLIT) (as `_linear_dot_kernel`: K_SPLIT a multiple of BLOCK_K, and of 128 under
@@ -288,6 +290,9 @@ def _fp8_decode_kernel(
     scale the sums by 2^120 once (with the per-channel scale; block scales carry it). Products
     and sums stay fp32 FMAs (subnormal weights are fp32 subnormals, exact); a partial sum below
     2^-6 (in FP8 units) is an fp32 subnormal and keeps fewer bits, far below the output rounding.
+    PREFETCH: the next step's W tile (and the MMA / REDUCE_LATE x tile) is loaded before this
+    step computes (twice the bytes in flight per program; FP8 tiles carry half the bytes of
+    bf16 ones); the first W tile before the PDL wait (weights only), masked past the split.
     Block scales (W_SCALE 2; 128 % BLOCK_K == 0, so a K step lies in one scale block) multiply
     each step's per-output sums (REDUCE_LATE: the weights); per-channel scales (W_SCALE 1) the
     final sums, once per output (per partial under split-K)."""
@@ -301,17 +306,38 @@ def _fp8_decode_kernel(
     w_ptrs = w_ptr + rn_in[:, None] * stride_wn + rk[None, :]
     x_ptrs = x_ptr + rm_in[:, None] * stride_xm + rk[None, :]
     cols = tl.arange(0, BLOCK_M)  # the accumulator's column of each row (MMA and row-at-a-time)
-    if REDUCE_LATE and not MMA:
+    if REDUCE_LATE and not MMA and BLOCK_M == 1:  # the GEMV: products of one row, [BLOCK_N, BLOCK_K]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif REDUCE_LATE and not MMA:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if USE_PDL:  # pull the first weight tile into L2 while the previous kernel finishes
+    # MMA: x^T's columns past M are zeros (masked: no loads), never stored. FMA (REDUCE_LATE):
+    # rows past M re-read row M - 1 (loads unmasked along M), never stored.
+    x_rows = (rm < M)[:, None]
+    if PREFETCH:  # the first W tile: weights, so before the PDL wait
+        w_next = tl.load(w_ptrs, mask=(rk < K)[None, :], other=0.0)
+    elif USE_PDL:  # pull the first weight tile into L2 while the previous kernel finishes
         lines = tl.minimum(k_lo + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
         _prefetch_l2(w_ptr + rn_in[:, None] * stride_wn + lines[None, :])
-        pdl_start(USE_PDL)
+    pdl_start(USE_PDL)
+    if PREFETCH and MMA:
+        x_next = tl.load(x_ptrs, mask=x_rows & (rk < K)[None, :], other=0.0)
+    elif PREFETCH and REDUCE_LATE:
+        x_next = tl.load(x_ptrs, mask=(rk < K)[None, :], other=0.0)
     for k0 in range(0, K_SPLIT, BLOCK_K):
         k_mask = (k0 + rk) < K
-        if EVEN_K:
+        if PREFETCH:
+            w = w_next
+            more = (k0 + BLOCK_K + rk) < tl.minimum(K, k_lo + K_SPLIT)  # the next step, within the split
+            w_next = tl.load(w_ptrs + BLOCK_K, mask=more[None, :], other=0.0)
+            if MMA:
+                x = x_next
+                x_next = tl.load(x_ptrs + BLOCK_K, mask=x_rows & more[None, :], other=0.0)
+            elif REDUCE_LATE:
+                x = x_next
+                x_next = tl.load(x_ptrs + BLOCK_K, mask=more[None, :], other=0.0)
+        elif EVEN_K:
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
@@ -320,11 +346,13 @@ def _fp8_decode_kernel(
             s_blk = tl.load(s_ptr + (rn_in // 128) * stride_sn + kb)
             if BITS and not MMA:
                 s_blk *= 1.329227995784916e36  # 2^120: the weights' factor 2^-120 undone with the scale
-        if MMA:  # x^T's columns past M are zeros (masked: no loads), never stored
-            if EVEN_K:
-                x = tl.load(x_ptrs, mask=(rm < M)[:, None], other=0.0)
+        if MMA:
+            if PREFETCH:
+                pass  # x loaded above
+            elif EVEN_K:
+                x = tl.load(x_ptrs, mask=x_rows, other=0.0)
             else:
-                x = tl.load(x_ptrs, mask=(rm < M)[:, None] & k_mask[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=x_rows & k_mask[None, :], other=0.0)
             if BITS:
                 wc = _e4m3_to_bf16(w)
             else:
@@ -342,13 +370,18 @@ def _fp8_decode_kernel(
             else:
                 wf = w.to(tl.float32)
             if REDUCE_LATE:
-                if EVEN_K:
+                if PREFETCH:
+                    pass  # x loaded above
+                elif EVEN_K:
                     x = tl.load(x_ptrs)
                 else:
                     x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
                 if W_SCALE == 2:
                     wf *= s_blk[:, None]
-                acc += x.to(tl.float32)[:, None, :] * wf[None, :, :]
+                if BLOCK_M == 1:
+                    acc += wf * x.to(tl.float32)
+                else:
+                    acc += x.to(tl.float32)[:, None, :] * wf[None, :, :]
             else:
                 for m in tl.static_range(ROWS):
                     row = tl.minimum(tl.program_id(1) * BLOCK_M + m, M - 1).to(tl.int64)
@@ -363,7 +396,9 @@ def _fp8_decode_kernel(
                     acc = tl.where((cols == m)[None, :], acc + pm[:, None], acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if REDUCE_LATE and not MMA:
+    if REDUCE_LATE and not MMA and BLOCK_M == 1:
+        y = tl.sum(acc, axis=1)[None, :]
+    elif REDUCE_LATE and not MMA:
         y = tl.sum(acc, axis=2)
     else:
         y = tl.trans(acc)
@@ -580,6 +615,7 @@ def _fp8_launches(x, weight, bias, c, out, s, stride_s, block_scale, common, lau
         # MMA's bit conversion is PTX (bf16 x; the interpreter runs Triton's cast instead)
         "BITS": c.bit_cvt and (not c.mma or (not INTERPRET and x.dtype == torch.bfloat16)),
         "REDUCE_LATE": c.reduce_late,
+        "PREFETCH": c.prefetch,
         "UPCAST": DOT_F32,
         "LINE": min(c.block_k, 128),  # FP8: one element per byte, 128 per L2 line
         **common,
