@@ -158,10 +158,7 @@ def precompile(plan: list[tuple[int, int, int, list[LinearConfig]]], jobs: int) 
                     out = torch.empty(M, N, device="cuda", dtype=DT)
                     for cfg in cfgs:
                         try:
-                            for kernel, grid, args, options in klinear._linear_launches(
-                                x, w, None, cfg, out, w_scale=s
-                            ):
-                                kernel.warmup(*args, grid=grid, **options)
+                            klinear.compile_linear(x, w, None, cfg, out, w_scale=s)
                         except Exception as exc:  # noqa: BLE001 - reported again when the config runs
                             print(f"  compile error {describe(cfg)} M={M}: {type(exc).__name__}", flush=True)
         except Exception as exc:  # noqa: BLE001 - the rest compile at their first launch

@@ -493,10 +493,12 @@ def compile_linear(
     config: LinearConfig,
     out: torch.Tensor,
     pdl: bool = True,
+    w_scale: torch.Tensor | None = None,
+    block_scale: bool = False,
 ) -> None:
     """Compile (without running) the kernels `small_m_linear` launches for these arguments: the
     same launch arguments, so the same compile-cache keys (benchmarks compile ahead in threads)."""
-    for kernel, grid, args, options in _linear_launches(x, weight, bias, config, out, None, pdl):
+    for kernel, grid, args, options in _linear_launches(x, weight, bias, config, out, None, pdl, w_scale, block_scale):
         kernel.warmup(*args, grid=grid, **options)
 
 
