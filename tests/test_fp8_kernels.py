@@ -110,7 +110,15 @@ FP8_VARIANTS = {
     "late_bits_prefetch": LinearConfig("fp8", 4, 8, 64, reduce_late=True, bit_cvt=True, prefetch=True),
     "mma": LinearConfig("fp8", 16, 16, 64, mma=True),
     "mma_prefetch": LinearConfig("fp8", 16, 16, 64, mma=True, prefetch=True),
+    "mma_x_fp8": LinearConfig("fp8", 16, 16, 64, mma=True, x_fp8=True),
 }
+# x_fp8 quantizes x to e4m3 per (row, K step): its error is the activations' rounding (on a GPU
+# ~2.6e-2 here, as torch rounds; the interpreter's fp32 -> e4m3 cast truncates: ~5.5e-2).
+TOL_X_FP8_INTERP = 8e-2
+
+
+def interp_tol(config):
+    return TOL_X_FP8_INTERP if config.x_fp8 else 1e-5
 
 
 def make_scaled(M, N, K, scales, device, dtype, seed=0):
@@ -142,7 +150,7 @@ def test_interp_fp8_decode_kernel(variant, scales, split):
             klinear.small_m_linear(x, q, None, config, out=out, w_scale=s, block_scale=scales == "block")
             assert not torch.isnan(out).any(), f"unwritten element ({config}, M={M})"
             err = rel_err(out, ref)
-            assert err < 1e-5, f"{config} M={M} N={N} K={K} {scales}: relative error {err:.2e}"
+            assert err < interp_tol(config), f"{config} M={M} N={N} K={K} {scales}: relative error {err:.2e}"
 
 
 @interp
@@ -159,11 +167,14 @@ def test_interp_fp8_decode_kernel_bias_bf16_repeatable(variant):
         out = klinear.small_m_linear(x, q, b, config, w_scale=s)
         again = klinear.small_m_linear(x, q, b, config, w_scale=s)
         assert out.dtype == torch.bfloat16 and torch.equal(out, again)
-        assert ((out.double() - ref).abs() <= ref.abs() * 2**-7 + 1e-6).all(), config
+        if config.x_fp8:
+            assert rel_err(out, ref) < TOL_X_FP8_INTERP
+        else:
+            assert ((out.double() - ref).abs() <= ref.abs() * 2**-7 + 1e-6).all(), config
 
 
 @interp
-@pytest.mark.parametrize("variant", list(FP8_VARIANTS))
+@pytest.mark.parametrize("variant", [v for v, c in FP8_VARIANTS.items() if not c.x_fp8])
 def test_interp_fp8_decode_kernel_every_e4m3_value_exact(variant):
     """W holds every finite e4m3 code (subnormals included), each row of x picks one column:
     the fp32 output is that weight times its row's scale exactly (the bit conversion and the
@@ -187,6 +198,8 @@ def test_fp8_decode_kernel_rejects_bad_configs():
         klinear.small_m_linear(x, q.float(), None, LinearConfig("fp8", 2, 8, 64))
     with pytest.raises(ValueError, match=">= 16"):
         klinear.small_m_linear(x, q, None, LinearConfig("fp8", 2, 16, 64, mma=True), w_scale=s)
+    with pytest.raises(ValueError, match="x_fp8"):
+        klinear.small_m_linear(x, q, None, LinearConfig("fp8", 2, 8, 64, x_fp8=True), w_scale=s)
     xb, qb, sb, _ = make(2, 8, 256, True, "cpu", torch.float32)
     with pytest.raises(ValueError, match="dividing 128"):
         klinear.small_m_linear(xb, qb, None, LinearConfig("fp8", 2, 8, 256), w_scale=sb, block_scale=True)
@@ -285,6 +298,7 @@ GPU_FP8_CONFIGS = [
     LinearConfig("fp8", 1, 4, 1024, num_warps=2, reduce_late=True, bit_cvt=True, prefetch=True),
     LinearConfig("fp8", 16, 64, 128, num_warps=4, mma=True),
     LinearConfig("fp8", 16, 64, 128, num_warps=4, mma=True, bit_cvt=True, split_k=4, prefetch=True),
+    LinearConfig("fp8", 16, 64, 128, num_warps=4, num_stages=3, mma=True, x_fp8=True, split_k=4),
 ]
 
 
@@ -300,11 +314,12 @@ def test_gpu_fp8_decode_kernel_variants(M, block):
             out = klinear.small_m_linear(x, q, None, config, w_scale=s, block_scale=block)
             err = rel_err(out, ref)
             print(f"fp8 kernel {config} {'block' if block else 'channel'} M={M} N={N} K={K}: rel err {err:.3e}")
-            assert err < TOL_TRITON, f"{config} M={M} N={N} K={K}: {err:.3e}"
+            tol = TOL_SCALED_MM if config.x_fp8 else TOL_TRITON  # x_fp8 rounds x to e4m3 as cuBLASLt's path
+            assert err < tol, f"{config} M={M} N={N} K={K}: {err:.3e}"
 
 
 @gpu
-@pytest.mark.parametrize("config", GPU_FP8_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", [c for c in GPU_FP8_CONFIGS if not c.x_fp8], ids=str)
 def test_gpu_fp8_decode_kernel_every_e4m3_value(config):
     """W holds every finite e4m3 code, subnormals included (so the PTX conversion and the
     products are exact), bf16 x; the fp32 output (unrounded) against the fp64 reference."""

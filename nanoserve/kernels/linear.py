@@ -13,14 +13,16 @@ M; these kernels stream W once with wide loads:
 - "fp8": FP8 weights at few rows (`_fp8_decode_kernel`): each W tile converted once for all
   rows, then CUDA-core FMAs (row at a time, or the "fma" scheme) or tensor cores, the
   conversion by bit operations or Triton's cast, split-K as "dot" (config knobs `mma`,
-  `reduce_late`, `bit_cvt`, `split_k`).
+  `reduce_late`, `bit_cvt`, `prefetch`, `split_k`); `x_fp8` rounds x to e4m3 per (row, K
+  step) for FP8 tensor-core products instead (cuBLASLt's precision class, not exact in x).
 `linear_config(M, N, K, dtype)` is the rule: a config, or None where cuBLAS is as fast;
 `fp8_linear_config` the FP8 weights' (the bf16 rule until the "fp8" kernel is measured into it).
 `linear_reference` is the torch reference the tests compare with.
 
 Invariants:
 - fp32 accumulation; each output element rounded once to the output dtype; a bias is added in
-  fp32 before that rounding (as cuBLAS's epilogue);
+  fp32 before that rounding (as cuBLAS's epilogue); x enters exactly (except "fp8" with
+  `x_fp8`, which says so);
 - the split-K product is deterministic: the partials of an output element are added in split
   order, each partial's K order fixed by the config, so repeat runs are bit-identical and a
   row's result does not depend on the other rows of the batch (for a given config);
@@ -71,6 +73,7 @@ class LinearConfig:
     bit_cvt: bool = False  # e4m3 by bit operations (see `_fp8_decode_kernel`); else Triton's cast
     reduce_late: bool = False  # FMA: one [block_m, block_n, block_k] accumulator reduced after the K loop
     prefetch: bool = False  # load the next K step's W (and x tile) before computing this one's
+    x_fp8: bool = False  # mma: x quantized to e4m3 per (row, K step), FP8 tensor-core products
 
 
 SUM_BLOCK = 1024  # columns per program of the split-K sum
@@ -269,8 +272,8 @@ def _fp8_decode_kernel(
     M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, stride_sn,
     W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, MMA: tl.constexpr, BITS: tl.constexpr,
-    REDUCE_LATE: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, LINE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    REDUCE_LATE: tl.constexpr, PREFETCH: tl.constexpr, X_FP8: tl.constexpr, UPCAST: tl.constexpr,
+    LINE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """FP8 weights, few rows. Program (n, m, s): outputs rn of rows rm over K[s * K_SPLIT,
     (s + 1) * K_SPLIT) (as `_linear_dot_kernel`: K_SPLIT a multiple of BLOCK_K, and of 128 under
@@ -290,6 +293,11 @@ def _fp8_decode_kernel(
     scale the sums by 2^120 once (with the per-channel scale; block scales carry it). Products
     and sums stay fp32 FMAs (subnormal weights are fp32 subnormals, exact); a partial sum below
     2^-6 (in FP8 units) is an fp32 subnormal and keeps fewer bits, far below the output rounding.
+    X_FP8 (MMA): no weight conversion: each K step quantizes x's [BLOCK_M, BLOCK_K] tile to e4m3
+    per row (absmax -> 448, as `fp8.quantize_rows` per token but per K step: finer), multiplies
+    e4m3 by e4m3 on the tensor cores and adds the step's products times each row's scale to the
+    fp32 accumulator (one promotion per K step, as FP8 GEMMs keep precision on Hopper). Not
+    exact in x: the precision class of cuBLASLt's FP8 path (`fp8.scaled_mm`), not the others'.
     PREFETCH: the next step's W tile (and the MMA / REDUCE_LATE x tile) is loaded before this
     step computes (twice the bytes in flight per program; FP8 tiles carry half the bytes of
     bf16 ones); the first W tile before the PDL wait (weights only), masked past the split.
@@ -353,17 +361,30 @@ def _fp8_decode_kernel(
                 x = tl.load(x_ptrs, mask=x_rows, other=0.0)
             else:
                 x = tl.load(x_ptrs, mask=x_rows & k_mask[None, :], other=0.0)
-            if BITS:
-                wc = _e4m3_to_bf16(w)
+            if X_FP8:
+                xf = x.to(tl.float32)
+                sx = tl.maximum(tl.max(tl.abs(xf), axis=1) / 448.0, 1e-12)  # [BLOCK_M]
+                xq = (xf / sx[:, None]).to(w.dtype)
+                if UPCAST:
+                    part = _dot(w.to(tl.float32), tl.trans(xq.to(tl.float32)), tl.zeros_like(acc))
+                else:
+                    part = tl.dot(w, tl.trans(xq))
+                part *= sx[None, :]
+                if W_SCALE == 2:
+                    part *= s_blk[:, None]
+                acc += part
             else:
-                wc = w.to(x.dtype)  # exact: e4m3 values are bf16, fp16 and fp32 values
-            if UPCAST or x.dtype == tl.float32:
-                wc = wc.to(tl.float32)
-                x = x.to(tl.float32)
-            if W_SCALE == 2:  # this step's products, scaled once per output
-                acc += _dot(wc, tl.trans(x), tl.zeros_like(acc)) * s_blk[:, None]
-            else:
-                acc = _dot(wc, tl.trans(x), acc)
+                if BITS:
+                    wc = _e4m3_to_bf16(w)
+                else:
+                    wc = w.to(x.dtype)  # exact: e4m3 values are bf16, fp16 and fp32 values
+                if UPCAST or x.dtype == tl.float32:
+                    wc = wc.to(tl.float32)
+                    x = x.to(tl.float32)
+                if W_SCALE == 2:  # this step's products, scaled once per output
+                    acc += _dot(wc, tl.trans(x), tl.zeros_like(acc)) * s_blk[:, None]
+                else:
+                    acc = _dot(wc, tl.trans(x), acc)
         else:
             if BITS:
                 wf = _e4m3_bits_as_f32(w)  # times 2^-120
@@ -605,6 +626,8 @@ def _fp8_launches(x, weight, bias, c, out, s, stride_s, block_scale, common, lau
         raise ValueError("block-scaled FP8 through the fp8 kernel needs block_k dividing 128")
     if c.mma and min(c.block_m, c.block_n, c.block_k) < 16:
         raise ValueError("the fp8 kernel's mma variant needs block_m, block_n and block_k >= 16")
+    if c.x_fp8 and (not c.mma or c.block_k < 32):
+        raise ValueError("x_fp8 is an mma variant (block_k >= 32: FP8 tensor-core steps)")
     # Each split covers a whole number of K steps (of scale blocks under block scales).
     unit = 128 if block_scale and c.split_k > 1 else c.block_k
     k_split = triton.cdiv(triton.cdiv(K, c.split_k), unit) * unit
@@ -618,6 +641,7 @@ def _fp8_launches(x, weight, bias, c, out, s, stride_s, block_scale, common, lau
         "BITS": c.bit_cvt and (not c.mma or (not INTERPRET and x.dtype == torch.bfloat16)),
         "REDUCE_LATE": c.reduce_late,
         "PREFETCH": c.prefetch,
+        "X_FP8": c.x_fp8,
         "UPCAST": DOT_F32,
         "LINE": min(c.block_k, 128),  # FP8: one element per byte, 128 per L2 line
         **common,
