@@ -334,6 +334,10 @@ def test_model_rows_past_the_tokenizer_are_never_allowed(tmp_path):
             if out.finish_reason == "stop":
                 assert isinstance(json.loads(out.text), dict)
         assert len(outs[3].token_ids) == 40
+        for overlap in (False, True):  # every row constrained: the mask is copied whole
+            llm.engine.overlap = overlap
+            for out in [o.outputs[0] for o in llm.generate([PROMPT] * 3, params[:3], use_tqdm=False)]:
+                assert max(out.token_ids) < tokens
         assert_idle(llm)
     finally:
         llm.shutdown()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import sys
 import time
 from concurrent import futures
 
@@ -59,6 +60,8 @@ from nanoserve.switches import log_nondefault
 from nanoserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("nanoserve")
+
+MASK_SWITCH_INTERVAL_S = 1e-4  # the GIL switch interval while the mask thread fills (see _sample_later)
 
 
 def serve_worker_rank(config: EngineConfig) -> None:
@@ -131,6 +134,7 @@ class LLMEngine:
         self.num_constrained = 0  # queued requests with a matcher (the step loop skips grammar work at 0)
         self._mask_host: torch.Tensor | None = None  # int32 [rows, words], pinned on CUDA
         self._mask_thread: futures.ThreadPoolExecutor | None = None  # fills masks in the overlap loop
+        self._switch_interval = sys.getswitchinterval()  # Python's, restored once a fill is done
         self.mask_fill_s = 0.0  # host time filling grammar masks (benchmarks/structured.py reads it)
         self.num_masked_steps = 0
         if self.device.type == "cuda" and tp.rank == 0:  # worker ranks follow rank 0's steps
@@ -418,13 +422,21 @@ class LLMEngine:
         matchers = [record.reqs[i].matcher for i in rows]  # taken here: an abort clears req.matcher
         record.masks = self._mask_thread.submit(self._fill_host_masks, matchers, host)
         record.mask_rows, record.mask_host = rows, host
+        # The mask thread needs the GIL to start and to finish its fill, and this thread, busy
+        # preparing the next step, would hand it over only every 5 ms (Python's default switch
+        # interval): far too late. Until `_launch_sampling` it is handed over within 100 us.
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(MASK_SWITCH_INTERVAL_S)
 
     def _launch_sampling(self, record: _InFlight) -> None:
         """Queue the sampling of a step whose masks were filling (`_sample_later`); no-op for
         any other step."""
         if record.masks is None:
             return
-        record.masks.result()
+        try:
+            record.masks.result()
+        finally:
+            sys.setswitchinterval(self._switch_interval)
         record.masks = None
         mask = self._device_mask(len(record.reqs), record.mask_rows, record.mask_host, record.logits.shape[1])
         logits, record.logits = record.logits, None
@@ -484,12 +496,16 @@ class LLMEngine:
     def _device_mask(self, n: int, rows: list[int], host: torch.Tensor, vocab: int) -> torch.Tensor:
         """The bitmask of n sampling rows on the device: `rows` from `host` (copied without a
         sync), the others all ones."""
-        words = bitmask_words(vocab)
+        words, grammar_words = bitmask_words(vocab), host.shape[1]
+        if len(rows) == n:  # every row constrained (rows == 0..n-1): one copy, no scatter
+            mask = torch.empty((n, words), dtype=torch.int32, device=self.device)
+            mask[:, :grammar_words].copy_(host[:n], non_blocking=True)
+            mask[:, grammar_words:] = 0  # ids past the tokenizer's (padding rows): never allowed
+            return mask
         mask = torch.full((n, words), -1, dtype=torch.int32, device=self.device)
         if rows:
             masked = host[: len(rows)].to(self.device, non_blocking=True)
-            grammar_words = host.shape[1]
-            if grammar_words < words:  # ids past the tokenizer's (padding rows): never allowed
+            if grammar_words < words:
                 masked = torch.nn.functional.pad(masked, (0, words - grammar_words))
             mask[_on_device(rows, self.device)] = masked
         return mask
