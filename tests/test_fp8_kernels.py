@@ -266,10 +266,27 @@ def _gpu_case(M, N, K, block, seed=0):
     got = fp8_linear(x, q, Fp8Weight(s, block))
     torch.cuda.synchronize()
     err = rel_err(got, ref)
-    triton_path = block or klinear.linear_config(M, N, K, torch.bfloat16) is not None
-    path = "triton" if triton_path else "scaled_mm"
+    config = klinear.fp8_linear_config(M, N, K, torch.bfloat16, block)
+    triton_path = block or config is not None
+    x_quantized = not triton_path or config.x_fp8  # scaled_mm and x_fp8 round x to e4m3
+    path = ("triton, x in e4m3" if x_quantized else "triton") if triton_path else "scaled_mm"
     print(f"fp8 {'block' if block else 'channel'} M={M} N={N} K={K} {path}: rel err {err:.3e}")
-    assert err < (TOL_TRITON if triton_path else TOL_SCALED_MM), f"M={M} N={N} K={K} {path}: {err:.3e}"
+    assert err < (TOL_SCALED_MM if x_quantized else TOL_TRITON), f"M={M} N={N} K={K} {path}: {err:.3e}"
+
+
+def test_fp8_rule_takes_the_e4m3_tensor_core_kernel_for_two_to_eight_rows():
+    """The measured FP8 rule: M = 2..8 per-channel on llama/qwen3-8b shapes take the x_fp8
+    tensor-core configs; M = 1 keeps the bf16 rule's GEMV; block scales keep theirs."""
+    for N, K in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+        for M in (2, 5, 8):
+            config = klinear.fp8_linear_config(M, N, K, torch.bfloat16)
+            assert config.kernel == "fp8" and config.mma and config.x_fp8, (M, N, K, config)
+            assert K % (config.split_k * config.block_k) == 0
+            assert klinear.fp8_linear_config(M, N, K, torch.bfloat16, block=True) == klinear.linear_config(
+                M, N, K, torch.bfloat16
+            )
+        assert klinear.fp8_linear_config(1, N, K, torch.bfloat16) == klinear.linear_config(1, N, K, torch.bfloat16)
+        assert klinear.fp8_linear_config(16, N, K, torch.bfloat16) == klinear.linear_config(16, N, K, torch.bfloat16)
 
 
 @gpu

@@ -179,7 +179,7 @@ def fp8_linear(
         y = F.linear(x, fp8_kernels.dequantize_weight(weight, fp8.scale, fp8.block, x.dtype), bias)
         return y.to(dtype) if out is None else out.copy_(y.reshape(rows, n)).view(*x.shape[:-1], n)
     x2 = x.reshape(rows, k)
-    config = linear_kernels.linear_config(rows, n, k, x.dtype)
+    config = linear_kernels.fp8_linear_config(rows, n, k, x.dtype, fp8.block)
     if config is None and fp8.block:
         config = linear_kernels.block_fp8_config(rows, n, k)
     if config is not None:
