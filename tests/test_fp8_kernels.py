@@ -268,7 +268,7 @@ def _gpu_case(M, N, K, block, seed=0):
     err = rel_err(got, ref)
     config = klinear.fp8_linear_config(M, N, K, torch.bfloat16, block)
     triton_path = block or config is not None
-    x_quantized = not triton_path or config.x_fp8  # scaled_mm and x_fp8 round x to e4m3
+    x_quantized = not triton_path or (config is not None and config.x_fp8)  # scaled_mm and x_fp8 round x to e4m3
     path = ("triton, x in e4m3" if x_quantized else "triton") if triton_path else "scaled_mm"
     print(f"fp8 {'block' if block else 'channel'} M={M} N={N} K={K} {path}: rel err {err:.3e}")
     assert err < (TOL_SCALED_MM if x_quantized else TOL_TRITON), f"M={M} N={N} K={K} {path}: {err:.3e}"
