@@ -334,10 +334,18 @@ def test_model_rows_past_the_tokenizer_are_never_allowed(tmp_path):
             if out.finish_reason == "stop":
                 assert isinstance(json.loads(out.text), dict)
         assert len(outs[3].token_ids) == 40
-        for overlap in (False, True):  # every row constrained: the mask is copied whole
+        free = SamplingParams(temperature=1.0, seed=2, max_tokens=60, ignore_eos=True)
+        (alone,) = llm.generate([PROMPT], free, use_tqdm=False)
+        assert max(alone.outputs[0].token_ids) >= tokens, "this seed draws padding ids when free"
+        for overlap in (False, True):
             llm.engine.overlap = overlap
+            # every row constrained (the mask is copied whole), then a free row beside them,
+            # which keeps the ids past the tokenizer's as it has them alone
             for out in [o.outputs[0] for o in llm.generate([PROMPT] * 3, params[:3], use_tqdm=False)]:
                 assert max(out.token_ids) < tokens
+            beside = llm.generate([PROMPT] * 3, params[:2] + [free], use_tqdm=False)
+            assert beside[2].outputs[0].token_ids == alone.outputs[0].token_ids
+        llm.engine.overlap = False
         assert_idle(llm)
     finally:
         llm.shutdown()

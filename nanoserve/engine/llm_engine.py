@@ -38,6 +38,7 @@ import sys
 import time
 from concurrent import futures
 
+import numpy as np
 import torch
 
 from nanoserve.config import EngineConfig
@@ -133,6 +134,7 @@ class LLMEngine:
         self._compiling: list[tuple[Request, PendingGrammar]] = []  # constrained requests not yet queued
         self.num_constrained = 0  # queued requests with a matcher (the step loop skips grammar work at 0)
         self._mask_host: torch.Tensor | None = None  # int32 [rows, words], pinned on CUDA
+        self._mask_pad_host: torch.Tensor | None = None  # the masks' columns past the tokenizer's ids
         self._mask_thread: futures.ThreadPoolExecutor | None = None  # fills masks in the overlap loop
         self._switch_interval = sys.getswitchinterval()  # Python's, restored once a fill is done
         self.mask_fill_s = 0.0  # host time filling grammar masks (benchmarks/structured.py reads it)
@@ -402,7 +404,7 @@ class LLMEngine:
         mask = None
         if record.constrained:
             rows, host = self._mask_rows(record.reqs)
-            self._fill_host_masks([record.reqs[i].matcher for i in rows], host)
+            self._fill_host_masks([record.reqs[i].matcher for i in rows], rows, len(record.reqs), host)
             mask = self._device_mask(len(record.reqs), rows, host, logits.shape[1])
         self._queue_sampling(record, logits, mask)
 
@@ -420,7 +422,7 @@ class LLMEngine:
             self._mask_thread = futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
         record.logits = logits
         matchers = [record.reqs[i].matcher for i in rows]  # taken here: an abort clears req.matcher
-        record.masks = self._mask_thread.submit(self._fill_host_masks, matchers, host)
+        record.masks = self._mask_thread.submit(self._fill_host_masks, matchers, rows, len(record.reqs), host)
         record.mask_rows, record.mask_host = rows, host
         # The mask thread needs the GIL to start and to finish its fill, and this thread, busy
         # preparing the next step, would hand it over only every 5 ms (Python's default switch
@@ -471,43 +473,58 @@ class LLMEngine:
             record.event.record()
 
     def _mask_rows(self, reqs: list[Request]) -> tuple[list[int], torch.Tensor]:
-        """The sampling rows that get a grammar mask, and the host buffer they are filled into.
-        The buffer is reused: its previous copy has completed, since the tokens of the step
-        that used it were waited for before this step's masks (see `step`)."""
+        """The sampling rows that get a grammar mask, and the host buffer (a row per sampling
+        request) they are filled into. The buffer is reused: its previous copy has completed,
+        since the tokens of the step that used it were waited for before this step's masks
+        (see `step`)."""
         rows = [
             i for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None and r.matcher.needs_mask
         ]
         grammar_words = bitmask_words(self._grammars.grammar_vocab_size)  # the tokenizer's ids only
         host = self._mask_host
-        if host is None or host.shape[0] < len(rows) or host.shape[1] != grammar_words:
-            size = max(len(rows), 2 * (host.shape[0] if host is not None else 8))
+        if host is None or host.shape[0] < len(reqs) or host.shape[1] != grammar_words:
+            size = max(len(reqs), 2 * (host.shape[0] if host is not None else 8))
             host = torch.empty(size, grammar_words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
             self._mask_host = host
         return rows, host
 
-    def _fill_host_masks(self, matchers: list[GrammarMatcher], host: torch.Tensor) -> None:
-        """Fill matcher i's mask into row i of `host` (on the mask thread in the overlap loop:
-        no other thread touches these matchers until it has finished)."""
+    def _fill_host_masks(self, matchers: list[GrammarMatcher], rows: list[int], n: int, host: torch.Tensor) -> None:
+        """Fill matcher i's mask into row rows[i] of `host`, and allow every token in the other
+        rows of the first n (on the mask thread in the overlap loop: no other thread touches
+        these matchers until it has finished)."""
         started = time.perf_counter()
-        fill_masks(matchers, host)
+        if len(rows) < n:
+            free = np.ones(n, dtype=bool)
+            free[rows] = False
+            host.numpy()[:n][free] = -1
+        fill_masks(matchers, host, rows)
         self.mask_fill_s += time.perf_counter() - started
         self.num_masked_steps += 1
 
-    def _device_mask(self, n: int, rows: list[int], host: torch.Tensor, vocab: int) -> torch.Tensor:
-        """The bitmask of n sampling rows on the device: `rows` from `host` (copied without a
-        sync), the others all ones."""
+    def _device_mask(self, n: int, rows: list[int], host: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """The bitmask of n sampling rows on the device, copied from `host` in one piece
+        without a sync (None when no row is constrained this step)."""
+        if not rows:
+            return None
         words, grammar_words = bitmask_words(vocab), host.shape[1]
-        if len(rows) == n:  # every row constrained (rows == 0..n-1): one copy, no scatter
-            mask = torch.empty((n, words), dtype=torch.int32, device=self.device)
-            mask[:, :grammar_words].copy_(host[:n], non_blocking=True)
-            mask[:, grammar_words:] = 0  # ids past the tokenizer's (padding rows): never allowed
-            return mask
-        mask = torch.full((n, words), -1, dtype=torch.int32, device=self.device)
-        if rows:
-            masked = host[: len(rows)].to(self.device, non_blocking=True)
-            if grammar_words < words:
-                masked = torch.nn.functional.pad(masked, (0, words - grammar_words))
-            mask[_on_device(rows, self.device)] = masked
+        mask = torch.empty((n, words), dtype=torch.int32, device=self.device)
+        mask[:, :grammar_words].copy_(host[:n], non_blocking=True)
+        if grammar_words < words:
+            # Ids past the tokenizer's (a model's padding rows): never allowed in constrained
+            # rows, as in a step without a grammar in free ones.
+            if len(rows) == n:
+                mask[:, grammar_words:] = 0
+            else:
+                pad = self._mask_pad_host
+                if pad is None or pad.shape[0] < n or pad.shape[1] != words - grammar_words:
+                    pad = torch.empty(
+                        host.shape[0], words - grammar_words, dtype=torch.int32, pin_memory=host.is_pinned()
+                    )
+                    self._mask_pad_host = pad
+                values = pad.numpy()
+                values[:n] = -1
+                values[rows] = 0
+                mask[:, grammar_words:].copy_(pad[:n], non_blocking=True)
         return mask
 
     def _process(self, record: _InFlight) -> list[StepUpdate]:

@@ -42,21 +42,23 @@ def bitmask_words(vocab_size: int) -> int:
 _batch: xgr.BatchGrammarMatcher | None = None
 
 
-def fill_masks(matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None:
-    """Write matcher i's allowed next tokens into `bitmask[i]`, on xgrammar's worker threads
-    (one per core): a step of 64 constrained requests fills its masks in about the time of a
-    few, where one at a time it took longer than the forward it hides behind (RESULTS.md,
-    2026-11-25 structured outputs). The rows equal `fill_mask`'s, one matcher at a time."""
+def fill_masks(matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+    """Write matcher i's allowed next tokens into `bitmask[rows[i]]` (rows default: 0, 1, ...),
+    on xgrammar's worker threads (one per core): a step of 64 constrained requests fills its
+    masks in about the time of a few, where one at a time it took longer than the forward it
+    hides behind (RESULTS.md, 2026-11-25 structured outputs). The rows equal `fill_mask`'s,
+    one matcher at a time."""
     global _batch
     if not matchers:
         return
+    rows = list(range(len(matchers))) if rows is None else rows
     if len(matchers) == 1:
-        matchers[0].fill_mask(bitmask, 0)
+        matchers[0].fill_mask(bitmask, rows[0])
         return
     if _batch is None:
         _batch = xgr.BatchGrammarMatcher("auto")
-    _batch.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask)
-    for row, m in enumerate(matchers):
+    _batch.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask, rows)
+    for row, m in zip(rows, matchers):
         if m.phase == _UNDECIDED:
             _allow(bitmask, row, m.gate.start_token)
 
