@@ -38,7 +38,6 @@ import sys
 import time
 from concurrent import futures
 
-import numpy as np
 import torch
 
 from nanoserve.config import EngineConfig
@@ -134,7 +133,7 @@ class LLMEngine:
         self._compiling: list[tuple[Request, PendingGrammar]] = []  # constrained requests not yet queued
         self.num_constrained = 0  # queued requests with a matcher (the step loop skips grammar work at 0)
         self._mask_host: torch.Tensor | None = None  # int32 [rows, words], pinned on CUDA
-        self._mask_pad_host: torch.Tensor | None = None  # the masks' columns past the tokenizer's ids
+        self._mask_free_host: torch.Tensor | None = None  # int32 [rows]: -1 where a row is free
         self._mask_thread: futures.ThreadPoolExecutor | None = None  # fills masks in the overlap loop
         self._switch_interval = sys.getswitchinterval()  # Python's, restored once a fill is done
         self.mask_fill_s = 0.0  # host time filling grammar masks (benchmarks/structured.py reads it)
@@ -404,7 +403,7 @@ class LLMEngine:
         mask = None
         if record.constrained:
             rows, host = self._mask_rows(record.reqs)
-            self._fill_host_masks([record.reqs[i].matcher for i in rows], rows, len(record.reqs), host)
+            self._fill_host_masks([record.reqs[i].matcher for i in rows], rows, host)
             mask = self._device_mask(len(record.reqs), rows, host, logits.shape[1])
         self._queue_sampling(record, logits, mask)
 
@@ -422,7 +421,7 @@ class LLMEngine:
             self._mask_thread = futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
         record.logits = logits
         matchers = [record.reqs[i].matcher for i in rows]  # taken here: an abort clears req.matcher
-        record.masks = self._mask_thread.submit(self._fill_host_masks, matchers, rows, len(record.reqs), host)
+        record.masks = self._mask_thread.submit(self._fill_host_masks, matchers, rows, host)
         record.mask_rows, record.mask_host = rows, host
         # The mask thread needs the GIL to start and to finish its fill, and this thread, busy
         # preparing the next step, would hand it over only every 5 ms (Python's default switch
@@ -488,43 +487,39 @@ class LLMEngine:
             self._mask_host = host
         return rows, host
 
-    def _fill_host_masks(self, matchers: list[GrammarMatcher], rows: list[int], n: int, host: torch.Tensor) -> None:
-        """Fill matcher i's mask into row rows[i] of `host`, and allow every token in the other
-        rows of the first n (on the mask thread in the overlap loop: no other thread touches
-        these matchers until it has finished)."""
+    def _fill_host_masks(self, matchers: list[GrammarMatcher], rows: list[int], host: torch.Tensor) -> None:
+        """Fill matcher i's mask into row rows[i] of `host` (on the mask thread in the overlap
+        loop: no other thread touches these matchers until it has finished); other rows keep
+        whatever they held (`_device_mask` overrides them)."""
         started = time.perf_counter()
-        if len(rows) < n:
-            free = np.ones(n, dtype=bool)
-            free[rows] = False
-            host.numpy()[:n][free] = -1
         fill_masks(matchers, host, rows)
         self.mask_fill_s += time.perf_counter() - started
         self.num_masked_steps += 1
 
     def _device_mask(self, n: int, rows: list[int], host: torch.Tensor, vocab: int) -> torch.Tensor | None:
-        """The bitmask of n sampling rows on the device, copied from `host` in one piece
-        without a sync (None when no row is constrained this step)."""
+        """The bitmask of n sampling rows on the device (None when no row is constrained this
+        step): `host` copied in one piece without a sync; in a step with free rows a per-row
+        word (0 constrained, -1 free) is OR-ed in, so free rows allow every token, ids past
+        the tokenizer's included, as in a step without a grammar. Constrained rows never allow
+        those ids (a model's padding rows: no tokenizer could turn them into text)."""
         if not rows:
             return None
         words, grammar_words = bitmask_words(vocab), host.shape[1]
         mask = torch.empty((n, words), dtype=torch.int32, device=self.device)
         mask[:, :grammar_words].copy_(host[:n], non_blocking=True)
-        if grammar_words < words:
-            # Ids past the tokenizer's (a model's padding rows): never allowed in constrained
-            # rows, as in a step without a grammar in free ones.
-            if len(rows) == n:
-                mask[:, grammar_words:] = 0
-            else:
-                pad = self._mask_pad_host
-                if pad is None or pad.shape[0] < n or pad.shape[1] != words - grammar_words:
-                    pad = torch.empty(
-                        host.shape[0], words - grammar_words, dtype=torch.int32, pin_memory=host.is_pinned()
-                    )
-                    self._mask_pad_host = pad
-                values = pad.numpy()
-                values[:n] = -1
-                values[rows] = 0
-                mask[:, grammar_words:].copy_(pad[:n], non_blocking=True)
+        if len(rows) == n:
+            mask[:, grammar_words:] = 0
+            return mask
+        free = self._mask_free_host
+        if free is None or free.shape[0] < n:
+            free = torch.empty(host.shape[0], dtype=torch.int32, pin_memory=host.is_pinned())
+            self._mask_free_host = free  # reused: its previous copy completed (see _mask_rows)
+        values = free.numpy()
+        values[:n] = -1
+        values[rows] = 0
+        per_row = free[:n].to(self.device, non_blocking=True)[:, None]
+        mask[:, :grammar_words] |= per_row
+        mask[:, grammar_words:] = per_row
         return mask
 
     def _process(self, record: _InFlight) -> list[StepUpdate]:
