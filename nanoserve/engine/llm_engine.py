@@ -133,7 +133,8 @@ class LLMEngine:
         self._compiling: list[tuple[Request, PendingGrammar]] = []  # constrained requests not yet queued
         self.num_constrained = 0  # queued requests with a matcher (the step loop skips grammar work at 0)
         self._mask_host: torch.Tensor | None = None  # int32 [rows, words], pinned on CUDA
-        self._mask_free_host: torch.Tensor | None = None  # int32 [rows]: -1 where a row is free
+        # the last half-constrained step's rows and its per-row mask word (-1 free, 0 constrained)
+        self._mask_free_rows: tuple[tuple | None, torch.Tensor | None] = (None, None)
         self._mask_thread: futures.ThreadPoolExecutor | None = None  # fills masks in the overlap loop
         self._switch_interval = sys.getswitchinterval()  # Python's, restored once a fill is done
         self.mask_fill_s = 0.0  # host time filling grammar masks (benchmarks/structured.py reads it)
@@ -510,14 +511,12 @@ class LLMEngine:
         if len(rows) == n:
             mask[:, grammar_words:] = 0
             return mask
-        free = self._mask_free_host
-        if free is None or free.shape[0] < n:
-            free = torch.empty(host.shape[0], dtype=torch.int32, pin_memory=host.is_pinned())
-            self._mask_free_host = free  # reused: its previous copy completed (see _mask_rows)
-        values = free.numpy()
-        values[:n] = -1
-        values[rows] = 0
-        per_row = free[:n].to(self.device, non_blocking=True)[:, None]
+        key = (n, tuple(rows))
+        if self._mask_free_rows[0] != key:  # most steps constrain the same rows as the last one
+            values = torch.full((n,), -1, dtype=torch.int32)
+            values[rows] = 0
+            self._mask_free_rows = (key, values.to(self.device, non_blocking=self.device.type == "cuda")[:, None])
+        per_row = self._mask_free_rows[1]
         mask[:, :grammar_words] |= per_row
         mask[:, grammar_words:] = per_row
         return mask
