@@ -18,10 +18,10 @@ masked step, and grammar compile time for the schema, cold (a fresh compiler ser
 tokenizer tables built first and timed apart) and cached.
 The grammar sees only the tokenizer's 49,152 ids; the model's other rows are masked off by
 the engine (before 2026-11-26 xgrammar paid for each of them: all ran at 33-37% of free).
-Targets (H200, qwen3-0.6b, 64 x 256): all >= 90% of free, half >= 95% of free. On an H200 not
-yet measured since that fix (before it, 2026-11-25: free ~30k tok/s, all 36.5%, half 57.7%).
-On one H100 (benchmarks/RESULTS.md, 2026-11-26, --repeat 7): free 25.8k tok/s, all 85.6%, half
-93.7% (52% / 63% with the maxLength strings): missed.
+Targets (H200, qwen3-0.6b, 64 x 256): all >= 90% of free, half >= 95% of free. On an H200 at
+7d32b4e (benchmarks/RESULTS.md, 2026-11-26, --repeat 30 --no-max-length, two runs): free ~30.5k
+tok/s, all 94.9% / 93.3%, half 96.1% / 96.1%; the rounds themselves spread from 53% to 149%,
+so quote medians of many rounds (with the maxLength strings, 7 rounds: 54-59% / 61-65%).
 
     python benchmarks/structured.py                      # H200
     python benchmarks/structured.py --model smollm2-135m --load-format auto --device cpu \

@@ -7,7 +7,7 @@ step: the batch fill (`BatchGrammarMatcher(max_threads=T)`) for each T, the fill
 a time, and accepting the step's tokens one at a time and in a batch. Prints one line per
 (schema, rows, method): median and mean ms per step.
 
-    python benchmarks/probes/mask_fill_threads.py [--rows 16 64 128] [--steps 48]
+    python benchmarks/probes/mask_fill_threads.py [--rows 16 64 128] [--steps 48] [--tokenizer DIR]
 """
 
 from __future__ import annotations
@@ -97,8 +97,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 128])
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--threads", nargs="+", default=["1", "2", "4", "8", "auto"])
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer directory (default: the embedded SmolLM2's)")
     args = ap.parse_args()
-    tok = load_tokenizer(resolve_model("smollm2-135m"))
+    if args.tokenizer is None:
+        tok = load_tokenizer(resolve_model("smollm2-135m"))
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer)
     vocab = len(tok)
     words = (vocab + 31) // 32
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)
