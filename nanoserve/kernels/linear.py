@@ -602,16 +602,25 @@ def _linear_launches(
     k_split = triton.cdiv(triton.cdiv(K, c.split_k), c.block_k) * c.block_k
     even_k = K % (c.block_k * c.split_k) == 0
     dot = {"W_SCALE": w_mode, "SPLIT_K": c.split_k, "EVEN_K": even_k, "UPCAST": DOT_F32, **common}
-    if c.split_k == 1:
+    return _split_launches(_linear_dot_kernel, grid, x, weight, bias, out, s, stride_s, k_split, c.split_k, dot, launch)
+
+
+def _split_launches(kernel, grid, x, weight, bias, out, s, stride_s, k_split, split_k, options, launch) -> list[tuple]:
+    """`kernel` (dot or fp8) storing y at split_k 1; else storing its fp32 partials to a
+    workspace [split_k, M, N], then `_sum_splits_kernel` adding them in split order."""
+    M, K = x.shape
+    N = weight.shape[0]
+    b = bias if bias is not None else weight  # never read without HAS_BIAS
+    if split_k == 1:
         args = (x, weight, b, out, s, M, N, K, k_split, x.stride(0), weight.stride(0), out.stride(0), stride_s)
-        return [(_linear_dot_kernel, grid, args, {"HAS_BIAS": bias is not None, **dot})]
-    ws = torch.empty(c.split_k, M, N, dtype=torch.float32, device=x.device)
+        return [(kernel, grid, args, {"HAS_BIAS": bias is not None, **options})]
+    ws = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
     args = (x, weight, b, ws, s, M, N, K, k_split, x.stride(0), weight.stride(0), N, stride_s)
     block = min(SUM_BLOCK, triton.next_power_of_2(N))
     sum_args = (ws, b, out, M, N, out.stride(0))
-    sum_options = {"HAS_BIAS": bias is not None, "SPLIT_K": c.split_k, "BLOCK": block, "num_warps": 4, **launch}
+    sum_options = {"HAS_BIAS": bias is not None, "SPLIT_K": split_k, "BLOCK": block, "num_warps": 4, **launch}
     return [
-        (_linear_dot_kernel, grid, args, {"HAS_BIAS": False, **dot}),
+        (kernel, grid, args, {"HAS_BIAS": False, **options}),
         (_sum_splits_kernel, (triton.cdiv(N, block), M), sum_args, sum_options),
     ]
 
@@ -619,7 +628,6 @@ def _linear_launches(
 def _fp8_launches(x, weight, bias, c, out, s, stride_s, block_scale, common, launch, grid) -> list[tuple]:
     """The launches of the "fp8" kernel (`_linear_launches`' arguments, checked there)."""
     M, K = x.shape
-    N = weight.shape[0]
     if weight.dtype != FP8_WEIGHT:
         raise ValueError("the fp8 kernel takes FP8 weights (with their w_scale) only")
     if block_scale and 128 % c.block_k:
@@ -646,19 +654,9 @@ def _fp8_launches(x, weight, bias, c, out, s, stride_s, block_scale, common, lau
         "LINE": min(c.block_k, 128),  # FP8: one element per byte, 128 per L2 line
         **common,
     }
-    b = bias if bias is not None else weight
-    if c.split_k == 1:
-        args = (x, weight, b, out, s, M, N, K, k_split, x.stride(0), weight.stride(0), out.stride(0), stride_s)
-        return [(_fp8_decode_kernel, grid, args, {"HAS_BIAS": bias is not None, **options})]
-    ws = torch.empty(c.split_k, M, N, dtype=torch.float32, device=x.device)
-    args = (x, weight, b, ws, s, M, N, K, k_split, x.stride(0), weight.stride(0), N, stride_s)
-    block = min(SUM_BLOCK, triton.next_power_of_2(N))
-    sum_args = (ws, b, out, M, N, out.stride(0))
-    sum_options = {"HAS_BIAS": bias is not None, "SPLIT_K": c.split_k, "BLOCK": block, "num_warps": 4, **launch}
-    return [
-        (_fp8_decode_kernel, grid, args, {"HAS_BIAS": False, **options}),
-        (_sum_splits_kernel, (triton.cdiv(N, block), M), sum_args, sum_options),
-    ]
+    return _split_launches(
+        _fp8_decode_kernel, grid, x, weight, bias, out, s, stride_s, k_split, c.split_k, options, launch
+    )
 
 
 # The rule, from `python benchmarks/probes/profile_decode.py --gemv` on an H200 (2026-11-21): for the
