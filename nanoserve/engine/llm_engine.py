@@ -21,8 +21,8 @@ which the sampler applies on the device. In the overlap loop the mask needs the 
 step's tokens, so a step with a constrained row launches its forward first and then
 processes the step in flight (the device runs the forward meanwhile); its masks are filled
 on a mask thread while the next step is scheduled and prepared, and its sampling is queued
-just before that next step's forward. Steps without one keep the plain overlap loop. A grammar that ends finishes
-its request with "stop"; max_tokens before that is "length".
+just before that next step's forward. Steps without one keep the plain overlap loop. A
+grammar that ends finishes its request with "stop"; max_tokens before that is "length".
 
 Host cost: in the overlap loop the host prepares step N+1 while the device runs step N, so
 everything `step()` does per request is paid on every step; the decode path keeps it to a
@@ -332,6 +332,7 @@ class LLMEngine:
         if self._inflight is not None:
             self._launch_sampling(self._inflight)  # a constrained step whose masks were filling
         launched = None
+        sampling_later = False  # this step's sampling waits for its masks (next call launches it)
         if batch is not None:
             launched, logits = self._forward(batch, inputs)
             if launched.constrained and self.overlap:
@@ -343,11 +344,12 @@ class LLMEngine:
                     updates += self._process(done)
                 self._inflight = launched
                 self._sample_later(launched, logits)
-                launched = None  # nothing to process this step
+                sampling_later = launched.masks is not None
+                launched = None  # it is in flight already
             else:
                 self._sample(launched, logits)
-        if launched is None and self._inflight is not None and self._inflight.masks is not None:
-            done = None  # the constrained step above waits for its sampling
+        if sampling_later:
+            done = None  # nothing to process: the step in flight waits for its sampling
         elif self.overlap:
             done, self._inflight = self._inflight, launched
         else:
