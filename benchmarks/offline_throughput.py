@@ -30,6 +30,7 @@ import time
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine.compile_watch import CompileWatch
 from nanoserve.kvcache.pool import KVCache
 from nanoserve.models.moe import SparseMoE
 
@@ -162,41 +163,6 @@ class GCTimer:
     def read(self) -> str:
         text = ", ".join(f"gen{g} {n} x {1e3 * s:.1f} ms" for g, (n, s) in enumerate(zip(self.counts, self.seconds)))
         self.seconds, self.counts = [0.0, 0.0, 0.0], [0, 0, 0]
-        return text
-
-
-class CompileWatch:
-    """Kernels compiled inside a timed run, since the last read: Triton specializations first
-    launched in this process (compiled, or loaded from the disk cache) and torch.compile
-    graphs. Each stalls the host mid-run, and a fresh machine's first process compiles from
-    scratch; the warm-up is meant to leave none."""
-
-    def __init__(self) -> None:
-        self.triton: list[str] = []
-        self._graphs = self._torch_graphs()
-        try:
-            from triton import knobs
-        except ImportError:  # no Triton (CPU): nothing to watch there
-            return
-        previous = knobs.runtime.jit_post_compile_hook
-
-        def hook(**kwargs):
-            self.triton.append(kwargs["fn"].name)
-            return previous(**kwargs) if previous else None
-
-        knobs.runtime.jit_post_compile_hook = hook
-
-    @staticmethod
-    def _torch_graphs() -> int:
-        from torch._dynamo.utils import counters
-
-        return counters["stats"]["unique_graphs"]
-
-    def read(self) -> str:
-        graphs = self._torch_graphs()
-        names = ", ".join(sorted(set(self.triton)))
-        text = f"{len(self.triton)} Triton ({names or '-'}), {graphs - self._graphs} torch.compile"
-        self.triton, self._graphs = [], graphs
         return text
 
 

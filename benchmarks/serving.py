@@ -188,7 +188,7 @@ async def run_rate(session, base, model, specs, rate: float, max_concurrency: in
         if math.isfinite(rate):
             await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
     results = await asyncio.gather(*tasks)
-    return results, time.perf_counter() - t0
+    return results, time.perf_counter() - t0, t0
 
 
 # ------------------------------------------------------------------------------------------ stats
@@ -207,7 +207,7 @@ def _pcts(values: list[float], scale: float = 1000.0) -> dict:
     return {"mean": statistics.fmean(xs), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
 
 
-def summarize(rate: float, results: list[RequestResult], duration: float, max_concurrency) -> dict:
+def summarize(rate: float, results: list[RequestResult], duration: float, max_concurrency, t0: float) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
@@ -229,6 +229,16 @@ def summarize(rate: float, results: list[RequestResult], duration: float, max_co
         "tpot_ms": _pcts(tpot),
         "itl_ms": _pcts([x for r in ok for x in r.itl]),
         "e2e_ms": _pcts([r.e2e for r in ok]),
+        # per request (seconds from the run's start, ms): where in the run a latency tail sits
+        "requests": [
+            {
+                "sent_s": round(r.start - t0, 4),
+                "ttft_ms": round(r.ttft * 1e3, 2),
+                "e2e_ms": round(r.e2e * 1e3, 2),
+                "max_itl_ms": round(max(r.itl, default=0.0) * 1e3, 2),
+            }
+            for r in ok
+        ],
     }
 
 
@@ -292,6 +302,9 @@ def print_summary(s: dict) -> None:
         print(f"{key:8s} mean {v['mean']:9.2f}  p50 {v['p50']:9.2f}  p90 {v['p90']:9.2f}  p99 {v['p99']:9.2f}")
     if "slo_attainment" in s:
         print(f"SLO attainment {s['slo_attainment']:.1%}")
+    slowest = sorted(s["requests"], key=lambda r: -r["ttft_ms"])[:5]
+    if slowest:
+        print("slowest TTFT: " + ", ".join(f"{r['ttft_ms']:.0f} ms (sent at {r['sent_s']:.2f} s)" for r in slowest))
 
 
 def plot(summaries: list[dict], path: str, title: str) -> None:
@@ -407,10 +420,10 @@ async def amain(args) -> int:
             if args.dataset == "random":
                 # Fresh prompts per rate: reusing them would turn later rates into prefix-cache hits.
                 specs = random_specs(args.seed + 1 + i)
-            results, duration = await run_rate(
+            results, duration, t0 = await run_rate(
                 session, base, model, specs, rate, args.max_concurrency, args.temperature, args.seed
             )
-            summary = summarize(rate, results, duration, args.max_concurrency)
+            summary = summarize(rate, results, duration, args.max_concurrency, t0)
             if slo is not None:
                 summary["slo_attainment"] = slo_attainment(results, *slo)
             print_summary(summary)

@@ -52,3 +52,18 @@ def test_goodput_flag_parsing():
     for bad in ("500", "a,b", "0,25"):
         with pytest.raises(SystemExit):
             serving.parse_goodput(bad)
+
+
+def test_summary_keeps_each_request_and_prints_the_ttft_tail(capsys):
+    rs = [
+        serving.RequestResult(ok=True, ttft=t, e2e=t + 1.0, output_tokens=11, itl=[0.1, 0.2], start=10.0 + i)
+        for i, t in enumerate((0.05, 2.5, 0.07))
+    ]
+    s = serving.summarize(4.0, [*rs, result(ok=False)], 3.0, None, t0=10.0)
+    assert [r["sent_s"] for r in s["requests"]] == [0.0, 1.0, 2.0]  # the failed request has none
+    assert s["requests"][1] == {"sent_s": 1.0, "ttft_ms": 2500.0, "e2e_ms": 3500.0, "max_itl_ms": 200.0}
+    serving.print_summary(s)
+    assert (
+        "slowest TTFT: 2500 ms (sent at 1.00 s), 70 ms (sent at 2.00 s), 50 ms (sent at 0.00 s)"
+        in capsys.readouterr().out
+    )

@@ -42,6 +42,7 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.tp_runner import agree_kv_plan, init_tensor_parallel, wrap_runner
+from nanoserve.engine.compile_watch import CompileWatch
 from nanoserve.engine.model_runner import ModelRunner, plan_kv_capacity
 from nanoserve.engine.sampler import Sampler, SampleRow
 from nanoserve.kvcache.pool import PageAllocator, PageTable
@@ -141,6 +142,7 @@ class LLMEngine:
         self.num_masked_steps = 0
         if self.device.type == "cuda" and tp.rank == 0:  # worker ranks follow rank 0's steps
             self._warm_up()
+            self.compile_watch = CompileWatch(log_each=True)  # what the warm-up missed, as it happens
         log.info(
             "nanoserve: %s on %s (%s), attention=%s, KV cache %d tokens (%s, %d pages of %d, %.2f GiB), "
             "prefix cache %s, max_model_len %d, ready in %.1f s",
