@@ -369,7 +369,10 @@ async def amain(args) -> int:
     base = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
-    connector = aiohttp.TCPConnector(limit=0)  # no client-side cap: the benchmark sets the load
+    # No client-side cap: the benchmark sets the load. A fresh connection per request: a pooled
+    # one the server closes after its keep-alive timeout (uvicorn's 5 s) as a request goes out
+    # on it fails that request with ServerDisconnectedError (one in 200 in two sweeps, 2026-11-26).
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
         async with session.get(f"{base}/v1/models") as resp:
             if resp.status != 200:

@@ -165,8 +165,8 @@ class LLMEngine:
         kernels and compiled ops the first real requests need are compiled (and cached on
         disk) now rather than while they wait: a long prompt in chunks (prefill, then extend
         over its own prefix), a prompt sharing its first half (a prefix-cache hit), a short
-        one, decode at batch 1 and 2, greedy and random sampling; under the mixed policy a
-        mixed step. Leaves no trace: every
+        one, decode at batch 1 and 2, greedy and random sampling (torch's sampling path and the
+        fused kernels); under the mixed policy a mixed step. Leaves no trace: every
         page is freed, the prefix cache emptied and the counters zeroed."""
         started = time.perf_counter()
         vocab = self.model_config.vocab_size
@@ -177,6 +177,10 @@ class LLMEngine:
             [
                 (long_prompt[: long_len // 2] + [3, 5, 7], SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=3, ignore_eos=True)),
                 ([11, 13, 17, 19, 23], SamplingParams(temperature=0.6, max_tokens=3, ignore_eos=True)),
+            ],
+            [  # plain temperature beside greedy: the fused sampling kernels (the round above takes torch's path)
+                ([29, 31, 37], SamplingParams(temperature=0.7, max_tokens=3, ignore_eos=True)),
+                ([41, 43, 47], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)),
             ],
         ]  # fmt: skip
         for i, work in enumerate(rounds):

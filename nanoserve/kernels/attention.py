@@ -602,10 +602,18 @@ def paged_decode(
             part, lse, seq_lens, kv_start, num_parts, out,
             out.stride(0), out.stride(1), num_splits, num_cols,
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_cols), BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS,
+            BLOCK_S=_reduce_block_s(num_cols), BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS,
             HAS_CASCADE=cascade is not None, num_warps=4, **launch_options(q.device, pdl),
         )  # fmt: skip
     return out
+
+
+def _reduce_block_s(num_cols: int) -> int:
+    """Columns the reduce kernel reads per (request, head), masked past the active ones: one
+    width for every split count up to 32 (the backend's cap) and one for cascade's extra
+    columns, so that a split count first met while serving (a mixed step's eager decode rows,
+    a prefix hit with cascade) compiles no new variant mid-run; the masked lanes load nothing."""
+    return max(32 if num_cols <= 32 else 64, triton.next_power_of_2(num_cols))
 
 
 def cascade_config(group: int) -> dict[str, int] | None:
