@@ -42,7 +42,7 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.tp_runner import agree_kv_plan, init_tensor_parallel, wrap_runner
-from nanoserve.engine.compile_watch import CompileWatch
+from nanoserve.engine.compile_watch import log_compiles
 from nanoserve.engine.model_runner import ModelRunner, plan_kv_capacity
 from nanoserve.engine.sampler import Sampler, SampleRow
 from nanoserve.kvcache.pool import PageAllocator, PageTable
@@ -75,6 +75,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         tp = init_tensor_parallel(config, serve_worker_rank)  # TP > 1: rank 0 spawns and joins the worker ranks
         log_nondefault(config.switches)
+        log_compiles(False)  # building compiles by design (see compile_watch)
         self.config = config
         started = time.perf_counter()
         source = resolve_model(config.model)
@@ -142,7 +143,7 @@ class LLMEngine:
         self.num_masked_steps = 0
         if self.device.type == "cuda" and tp.rank == 0:  # worker ranks follow rank 0's steps
             self._warm_up()
-            self.compile_watch = CompileWatch(log_each=True)  # what the warm-up missed, as it happens
+            log_compiles(True)  # what the warm-up missed, as it happens
         log.info(
             "nanoserve: %s on %s (%s), attention=%s, KV cache %d tokens (%s, %d pages of %d, %.2f GiB), "
             "prefix cache %s, max_model_len %d, ready in %.1f s",
