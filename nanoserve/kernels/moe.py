@@ -7,14 +7,12 @@ optionally divided by their sum) and `fused_moe` / `fused_moe_reference`
 Weights: w13 [E, 2*I, H] (an expert's gate rows, then its up rows), w2 [E, H, I].
 
 `fused_moe` takes one of two paths, both Triton, chosen on the host from shapes only:
-- decode (T*k <= DECODE_MAX_PAIRS): gate_up with one program per (token, slot, column block)
-  reading its chosen expert's rows GEMV-style, then down with one program per (token, column
-  block) over all k slots, summing them: a batch of one reads only the k chosen experts;
+- decode (T*k <= DECODE_MAX_PAIRS): one program per (token, slot, column block) reads its
+  chosen expert's rows GEMV-style, so a batch of one reads only the k chosen experts;
 - grouped: the (token, slot) pairs are sorted by expert and every expert's group padded to
   BLOCK_M on the device (`align`), then one grouped GEMM over gate and up with silu(gate)*up in
   its epilogue and one over down with the routing weight applied in its epilogue.
-The grouped path writes each pair's contribution to a [T, k, H] buffer that a torch sum
-folds per token; the decode path sums in its down kernel (two launches in all).
+Both write each pair's contribution to a [T, k, H] buffer that a torch sum folds per token.
 
 Invariants: nothing here reads device data on the host (buffer sizes come from T, E, k and
 BLOCK_M only: the worst case T*k + E*(BLOCK_M-1) padded rows), so CUDA graphs capture route
@@ -175,22 +173,14 @@ def _bucket(T: int) -> int:
     return triton.next_power_of_2(max(T, 1))
 
 
-def _fallback_config(T: int, k: int, E: int, N: int, decode: bool, down: bool = False) -> MoEConfig:
+def _fallback_config(T: int, k: int, E: int, N: int, decode: bool) -> MoEConfig:
     """Block sizes for an untuned GEMM with N output columns. Under the interpreter: the
-    smallest tiles tl.dot takes. Decode: 128 deep per program (16-byte loads) and the widest
-    BLOCK_N that still gives ~512 programs (gate_up: one per pair and column block) or ~256
-    (down: one per token and column block, its k pairs in one tile of at most 128 rows), so
-    a batch of one keeps every SM streaming weights. Grouped: BLOCK_M near the mean rows per
-    expert (T*k/E), so sparse batches pad little."""
+    smallest tiles tl.dot takes. Decode: 128 deep per program (16-byte loads on 4 warps) and
+    the widest BLOCK_N that still gives ~512 programs, so a batch of one keeps every SM
+    streaming weights. Grouped: BLOCK_M near the mean rows per expert (T*k/E), so sparse
+    batches pad little."""
     if INTERPRET:
         return MoEConfig(16, 16, 16, 1, 1) if not decode else MoEConfig(1, 16, 32, 1, 1)
-    if decode and down:
-        kp = triton.next_power_of_2(k)
-        fits = [n for n in (64, 32, 16, 8, 4) if kp * n <= 128] or [1]
-        block_n = next((n for n in fits if T * triton.cdiv(N, n) >= 256), fits[-1])
-        return MoEConfig(
-            block_m=1, block_n=block_n, block_k=128, num_warps=8 if kp * block_n >= 64 else 4, num_stages=3
-        )
     if decode:
         block_n = next((n for n in (64, 32) if T * k * triton.cdiv(N, n) >= 512), 16)
         return MoEConfig(block_m=1, block_n=block_n, block_k=128, num_warps=4, num_stages=3)
@@ -204,16 +194,15 @@ def _fallback_config(T: int, k: int, E: int, N: int, decode: bool, down: bool = 
     return MoEConfig(128, 128, 64, 8, 3)
 
 
-def get_configs(H: int, inter: int, E: int, T: int, k: int, decode: bool | None = None) -> tuple[MoEConfig, MoEConfig]:
-    """The (gate_up, down) launch parameters of a shape on the decode or grouped path (by
-    default the T*k rule's): the measured table's entry when it was measured on that path (a
-    bucket may straddle the rule), else the fallback. Decode configs have block_m 1."""
-    if decode is None:
-        decode = T * k <= DECODE_MAX_PAIRS
+def get_configs(H: int, inter: int, E: int, T: int, k: int) -> tuple[MoEConfig, MoEConfig]:
+    """The (gate_up, down) launch parameters of a shape: the measured table's entry when it
+    was measured on the path this T takes (a bucket may straddle the T*k rule), else the
+    fallback. Decode configs have block_m 1."""
+    decode = T * k <= DECODE_MAX_PAIRS
     tuned = TUNED.get((H, inter, E, _bucket(T)))
     if tuned is not None and (tuned[0].block_m == 1) == decode:
         return tuned
-    return _fallback_config(T, k, E, inter, decode), _fallback_config(T, k, E, H, decode, down=True)
+    return _fallback_config(T, k, E, inter, decode), _fallback_config(T, k, E, H, decode)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,35 +386,27 @@ def _decode_gate_up_kernel(
 @triton.jit
 def _decode_down_kernel(
     a_ptr, w_ptr, out_ptr, ids_ptr, topk_w_ptr, H, I, stride_a, stride_we, stride_wn, stride_o,
-    K: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Program (t, n): out[t, n*BLOCK_N..] = sum_j topk_weight[t, j] * (act[t*K+j] W_down^T of
-    pair j's expert), each pair's product rounded to out's dtype (the expert MLP's output), the
-    sum over j in fp32 and rounded once. The K pairs' rows are one [BLOCK_KP, BLOCK_N, BLOCK_K]
-    tile per step (BLOCK_KP = K padded to a power of two), so a program keeps every pair's bytes
-    in flight and no per-pair buffer or separate sum is needed."""
-    t = tl.program_id(0).to(tl.int64)
+    """Program (p, n): out[p, n*BLOCK_N..] = topk_weight[p] * (act[p] W_down^T) of pair p's expert."""
+    p = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + p).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
-    j = tl.arange(0, BLOCK_KP)
-    j_ok = j < K
-    e = tl.load(ids_ptr + t * K + j, mask=j_ok, other=0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + e[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn + ks[None, None, :]
-    w_ok = j_ok[:, None, None] & col_ok[None, :, None]
-    a_ptrs = a_ptr + (t * K + j)[:, None] * stride_a + ks[None, :]
-    acc = tl.zeros([BLOCK_KP, BLOCK_N], dtype=tl.float32)
+    w_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    a_ptrs = a_ptr + p * stride_a + ks
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_ok = ks < I - k0
-        a = tl.load(a_ptrs, mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=w_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[:, None, :], axis=2)
+        a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], axis=1)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
-    weight = tl.load(topk_w_ptr + t * K + j, mask=j_ok, other=0.0)
-    y = tl.sum(acc.to(dtype).to(tl.float32) * weight[:, None], axis=0)
-    tl.store(out_ptr + t * stride_o + cols, y.to(dtype), mask=col_ok)
+    y = acc.to(dtype).to(tl.float32) * tl.load(topk_w_ptr + p)
+    tl.store(out_ptr + p * stride_o + cols, y, mask=col_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,11 +422,11 @@ def fused_moe(
     configs: tuple[MoEConfig, MoEConfig] | None = None,
     path: str | None = None,
 ) -> torch.Tensor:
-    """As `fused_moe_reference` ([T, H] in hidden's dtype), in Triton: two launches (decode
+    """As `fused_moe_reference` ([T, H] in hidden's dtype), in Triton: four launches (decode
     path) or the device-side align plus four (grouped path), no host synchronisation.
     `configs` and `path` ("decode" | "grouped") override the table and the T*k rule (the
-    tuning script and the tests use them). Per-pair contributions are summed over k in fp32,
-    so the result is rounded once, as the reference's."""
+    tuning script and the tests use them). Per-pair contributions are kept in fp32 and summed
+    over k in fp32, so the result is rounded once, as the reference's."""
     _check_device(hidden, "fused_moe")
     _check_args(hidden, w13, w2, topk_weights, topk_ids)
     if hidden.stride(1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
@@ -460,39 +441,38 @@ def fused_moe(
     pairs = T * k
     ids = topk_ids.to(torch.int32).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
+    cfg13, cfg2 = configs or get_configs(H, inter, E, T, k)
     if path is None:
         path = "decode" if pairs <= DECODE_MAX_PAIRS else "grouped"
-    cfg13, cfg2 = configs or get_configs(H, inter, E, T, k, decode=path == "decode")
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    contrib = torch.empty(pairs, H, dtype=torch.float32, device=hidden.device)
     if path == "decode":
         _decode_gate_up_kernel[(pairs, triton.cdiv(inter, cfg13.block_n))](
             hidden, w13, act, ids, H, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             K=k, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
         )  # fmt: skip
-        _decode_down_kernel[(T, triton.cdiv(H, cfg2.block_n))](
-            act, w2, out, ids, weights, H, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-            K=k, BLOCK_KP=triton.next_power_of_2(k), BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k,
+        _decode_down_kernel[(pairs, triton.cdiv(H, cfg2.block_n))](
+            act, w2, contrib, ids, weights, H, inter, act.stride(0), w2.stride(0), w2.stride(1), contrib.stride(0),
+            BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+        )  # fmt: skip
+    elif path == "grouped":
+        f32 = hidden.dtype == torch.float32 or INTERPRET  # see _dot
+        al13 = align(ids, E, cfg13.block_m)
+        al2 = al13 if cfg2.block_m == cfg13.block_m else align(ids, E, cfg2.block_m)
+        _grouped_gate_up_kernel[(al13.block_expert.numel(), triton.cdiv(inter, cfg13.block_n))](
+            hidden, w13, act, al13.sorted_pairs, al13.block_expert, al13.num_padded,
+            H, inter, pairs, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            K=k, BLOCK_M=cfg13.block_m, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, F32=f32,
+            num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
+        )  # fmt: skip
+        _grouped_down_kernel[(al2.block_expert.numel(), triton.cdiv(H, cfg2.block_n))](
+            act, w2, contrib, weights, al2.sorted_pairs, al2.block_expert, al2.num_padded,
+            H, inter, pairs, act.stride(0), w2.stride(0), w2.stride(1), contrib.stride(0),
+            BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, F32=f32,
             num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
         )  # fmt: skip
-        return out
-    if path != "grouped":
+    else:
         raise ValueError(f"fused_moe: path {path!r} is not 'decode' or 'grouped'")
-    f32 = hidden.dtype == torch.float32 or INTERPRET  # see _dot
-    contrib = torch.empty(pairs, H, dtype=torch.float32, device=hidden.device)
-    al13 = align(ids, E, cfg13.block_m)
-    al2 = al13 if cfg2.block_m == cfg13.block_m else align(ids, E, cfg2.block_m)
-    _grouped_gate_up_kernel[(al13.block_expert.numel(), triton.cdiv(inter, cfg13.block_n))](
-        hidden, w13, act, al13.sorted_pairs, al13.block_expert, al13.num_padded,
-        H, inter, pairs, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        K=k, BLOCK_M=cfg13.block_m, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, F32=f32,
-        num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
-    )  # fmt: skip
-    _grouped_down_kernel[(al2.block_expert.numel(), triton.cdiv(H, cfg2.block_n))](
-        act, w2, contrib, weights, al2.sorted_pairs, al2.block_expert, al2.num_padded,
-        H, inter, pairs, act.stride(0), w2.stride(0), w2.stride(1), contrib.stride(0),
-        BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, F32=f32,
-        num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
-    )  # fmt: skip
     # The k contributions of each token summed in fp32, rounded once into hidden's dtype.
     out.copy_(contrib.view(T, k, H).sum(dim=1))
     return out
