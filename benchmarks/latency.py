@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--quantization", default=None, choices=["fp8"], help="fp8 weights (the floor counts their bytes)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (floor: one rank's weight shard)")
     ap.add_argument("--triton-ops", choices=["on", "off"], nargs="+", default=["on"],
                     help="the Triton decode kernels (nanoserve/kernels); 'off on' measures both")  # fmt: skip
     args = ap.parse_args()
@@ -90,6 +91,7 @@ def main() -> None:
             enforce_eager=args.enforce_eager,
             overlap_schedule=not args.no_overlap,
             quantization=args.quantization,
+            tensor_parallel_size=args.tp,
             switches=dataclasses.replace(KernelSwitches.from_env(), triton_ops=ops == "on"),
         )
         engine = llm.engine
@@ -103,20 +105,22 @@ def main() -> None:
         tpot = statistics.median(r[1] for r in runs)
         active = step_weight_bytes(engine.runner.model, 1)  # MoE: only the top-k experts of each layer
         floor = active / bw
-        graph_ms = batch1_graph_ms(engine)
+        # Replaying rank 0's graph alone would wait forever in its all-reduce under TP.
+        graph_ms = batch1_graph_ms(engine) if args.tp == 1 else float("nan")
         stats = llm.stats()
         leak_free = stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
         print(
             f"{device_name(device)} | {name} (dummy, {str(engine.dtype).removeprefix('torch.')}, weights "
             f"{args.quantization or 'unquantized'}), graphs "
             f"{'off' if engine.runner.graphs is None else 'on'}, overlap {'on' if engine.overlap else 'off'}, "
-            f"Triton decode kernels {ops} | "
+            f"Triton decode kernels {ops}{f', TP={args.tp}' if args.tp > 1 else ''} | "
             f"TTFT {ttft * 1e3:.2f} ms | TPOT {tpot * 1e3:.3f} ms (graph replay alone {graph_ms:.3f} ms) | weights {wbytes / 1e9:.2f} GB"
             f"{'' if active == wbytes else f', read per token {active / 1e9:.2f} GB'} at {bw / 1e12:.2f} TB/s "
             f"-> floor {floor * 1e3:.3f} ms/token, TPOT = {floor / tpot:.0%} of floor | runs {[(round(a * 1e3, 2), round(b * 1e3, 3)) for a, b in runs]} "
             f"| no leaks: {leak_free}",
             flush=True,
         )
+        llm.shutdown()  # TP: stops the worker ranks
         del llm, engine
         gc.collect()
         if torch.cuda.is_available():
