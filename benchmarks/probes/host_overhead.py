@@ -26,8 +26,8 @@ shows how much host work each step kind costs next to the GPU's time.
 
 Phases (mean ms per step, decode and prefill steps apart): schedule (Scheduler.schedule),
 prepare (ModelRunner.prepare), execute (the forward call: graph buffer copies + the stub),
-sample (Sampler.sample), launch rest (the rest of LLMEngine._launch: step accounting, forks,
-token pool), process (LLMEngine._process: tokens to host, stop checks, updates), step rest
+sample (Sampler.sample), launch rest (the rest of LLMEngine._prepare, _forward and _sample:
+step accounting, forks, token pool), process (LLMEngine._process: tokens to host, stop checks, updates), step rest
 (the rest of LLMEngine.step), outputs (LLM.generate's handling of the step's updates).
 """
 
@@ -206,7 +206,8 @@ class PhaseTimer:
         self.wrap(engine.runner, "prepare", "prepare")
         self.wrap(engine.runner, "execute", "execute")
         self.wrap(engine.sampler, "sample", "sample")
-        self.wrap(engine, "_launch", "_launch")
+        for name in ("_prepare", "_forward", "_sample"):  # a step's launch, in three parts
+            self.wrap(engine, name, "_launch")
         self.wrap(engine, "_process", "process")
         step = engine.step
 
