@@ -371,7 +371,7 @@ async def amain(args) -> int:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     # No client-side cap: the benchmark sets the load. A fresh connection per request: a pooled
     # one the server closes after its keep-alive timeout (uvicorn's 5 s) as a request goes out
-    # on it fails that request with ServerDisconnectedError (one in 200 in two sweeps, 2026-11-26).
+    # on it fails that request with ServerDisconnectedError (1 and 3 of 200 in two sweeps, 2026-11-26).
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
         async with session.get(f"{base}/v1/models") as resp:
