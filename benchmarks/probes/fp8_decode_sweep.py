@@ -38,16 +38,16 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benc
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 import triton
+from compile_ahead import precompile
 
 from nanoserve.kernels import fp8 as kfp8
 from nanoserve.kernels import linear as klinear
@@ -143,38 +143,15 @@ def max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-def precompile(plan: list[tuple[int, int, int, list[LinearConfig]]], jobs: int) -> None:
-    """Compile the launches of every (M, N, K, configs) of `plan` ahead, `jobs` at a time where
-    Triton has AsyncCompileMode (serially otherwise); errors show again at the config's check."""
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:
-        AsyncCompileMode = None
-    start = time.perf_counter()
-    parallel = jobs > 1 and AsyncCompileMode is not None
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        mode = nullcontext()
-        if parallel:
-            try:
-                mode = AsyncCompileMode(pool, ignore_errors=True)
-            except TypeError:
-                mode = AsyncCompileMode(pool)
-        try:
-            with mode:
-                for M, N, K, cfgs in plan:
-                    x = torch.empty(M, K, device="cuda", dtype=DT)
-                    w = torch.empty(N, K, device="cuda", dtype=kfp8.FP8_DTYPE)
-                    s = torch.empty(N, device="cuda")
-                    out = torch.empty(M, N, device="cuda", dtype=DT)
-                    for cfg in cfgs:
-                        try:
-                            klinear.compile_linear(x, w, None, cfg, out, w_scale=s)
-                        except Exception as exc:  # noqa: BLE001 - reported again when the config runs
-                            print(f"  compile error {describe(cfg)} M={M}: {type(exc).__name__}", flush=True)
-        except Exception as exc:  # noqa: BLE001 - the rest compile at their first launch
-            print(f"  precompile stopped: {type(exc).__name__}: {str(exc).strip()[:120]}", flush=True)
-    how = f"{jobs} threads" if parallel else "serially"
-    print(f"precompiled in {time.perf_counter() - start:.0f} s ({how})", flush=True)
+def compile_launches(plan: list[tuple[int, int, int, list[LinearConfig]]]):
+    """(label, launch) of every (M, N, K, configs) of `plan`, for `precompile`."""
+    for M, N, K, cfgs in plan:
+        x = torch.empty(M, K, device="cuda", dtype=DT)
+        w = torch.empty(N, K, device="cuda", dtype=kfp8.FP8_DTYPE)
+        s = torch.empty(N, device="cuda")
+        out = torch.empty(M, N, device="cuda", dtype=DT)
+        for cfg in cfgs:
+            yield f"{describe(cfg)} M={M}", functools.partial(klinear.compile_linear, x, w, None, cfg, out, w_scale=s)
 
 
 def weights(N: int, K: int, copies: int, device: str):
@@ -345,7 +322,7 @@ def main() -> None:
     print(f"device {device}, torch {torch.__version__}, triton {triton.__version__}, "
           f"pdl {launch_options(torch.device('cuda'))['USE_PDL']}", flush=True)  # fmt: skip
     plan = [(M, N, K, candidates(M)) for _, N, K in shapes for M in args.ms]
-    precompile(plan, args.jobs)
+    precompile(compile_launches(plan), args.jobs)
     print("per call: us, then TB/s of FP8 bytes (bf16: us only); e = max |err| / max |ref|; best, 2nd", flush=True)
     records = run(shapes, args.ms, lambda calls: graph_ms(calls) * 1e3, "cuda", args.budget, start, ROTATE_BYTES)
     print(summary(records, args.ms), flush=True)

@@ -37,19 +37,20 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benchmarks/ for shared helpers
 
 import argparse
+import functools
 import itertools
 import math
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 from attention import copy_ceiling, graph_ms
+from compile_ahead import precompile
 
 from nanoserve.kernels import linear as triton_ops
 from nanoserve.kernels.launch import INTERPRET
@@ -113,40 +114,14 @@ def compile_keys(cfgs: list[LinearConfig], K: int) -> set[tuple]:
     return {(c, K % (c.block_k * c.split_k) == 0) for c in cfgs}
 
 
-def precompile(plan: list[tuple[int, int, int, list[LinearConfig]]], jobs: int) -> None:
-    """Compile every config of `plan` ((M, N, K, configs)) ahead, `jobs` at a time where Triton
-    has AsyncCompileMode (its signature varies across versions; serially otherwise). Failures
-    are printed and come back, one line per config, when the sweep launches it."""
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:
-        AsyncCompileMode = None
-    start = time.perf_counter()
-    parallel = jobs > 1 and AsyncCompileMode is not None
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        mode = nullcontext()
-        if parallel:
-            try:
-                mode = AsyncCompileMode(pool, ignore_errors=True)
-            except TypeError:  # older Triton: compile errors raise when the mode exits
-                mode = AsyncCompileMode(pool)
-        try:
-            with mode:
-                for M, N, K, cfgs in plan:
-                    x = torch.empty(M, K, device="cuda", dtype=DT)
-                    w = torch.empty(N, K, device="cuda", dtype=DT)
-                    out = torch.empty(M, N, device="cuda", dtype=DT)
-                    for cfg in cfgs:
-                        try:
-                            launch(cfg, x, w, out, warmup=True)
-                        except Exception as exc:  # noqa: BLE001 - a config the compiler rejects
-                            msg = f"{type(exc).__name__}: {str(exc).strip()[:120]}"
-                            print(f"  compile error {describe(cfg)}: {msg}", flush=True)
-        except Exception as exc:  # noqa: BLE001 - the rest compile at their first launch
-            print(f"  precompile stopped: {type(exc).__name__}: {str(exc).strip()[:120]}", flush=True)
-    how = f"{jobs} threads" if parallel else "serially"
-    print(f"precompiled in {time.perf_counter() - start:.0f} s ({how})", flush=True)
-    torch.cuda.empty_cache()
+def compile_launches(plan: list[tuple[int, int, int, list[LinearConfig]]]):
+    """(label, launch) of every (M, N, K, configs) of `plan`, for `precompile`."""
+    for M, N, K, cfgs in plan:
+        x = torch.empty(M, K, device="cuda", dtype=DT)
+        w = torch.empty(N, K, device="cuda", dtype=DT)
+        out = torch.empty(M, N, device="cuda", dtype=DT)
+        for cfg in cfgs:
+            yield describe(cfg), functools.partial(launch, cfg, x, w, out, warmup=True)
 
 
 @contextmanager
@@ -355,7 +330,8 @@ def main() -> None:
             plan.append((M, N, K, cfgs + ([rule] if rule is not None and rule not in cfgs else [])))
     keys = set().union(*(compile_keys(cfgs, K) for _, _, K, cfgs in plan))
     print(f"{sum(len(p[3]) for p in plan)} (shape, M, config) timings, {len(keys)} kernel compiles", flush=True)
-    precompile(plan, args.jobs)
+    precompile(compile_launches(plan), args.jobs)
+    torch.cuda.empty_cache()
     rows = []
     for label, N, K in shapes:
         rows += sweep_shape(label, N, K, args.ms, sweep, args.full, ceiling)
