@@ -13,7 +13,7 @@ than 256 MB (every call streams its weight from HBM), median of 20 replays
 - "bf16": F.linear on the bf16 weight (cuBLAS);
 - "smm": `kernels.fp8.scaled_mm` (per-token activation quantization + cuBLASLt FP8 GEMM);
 - "rule": `layers.fp8_linear` on the per-channel FP8 weight: what the engine runs now
-  (`linear_config`'s Triton config, else smm);
+  (`fp8_linear_config`'s Triton config, else smm; its x_fp8 configs are checked at 0.15);
 - every config of `candidates(M)`: the "fp8" kernel's variants (rows / late / mma, with and
   without the bit-operation e4m3 conversion `bits`, split-K `k<S>`, prefetching `pf`, x
   quantized to e4m3 `xq`: cuBLASLt's precision class, the others keep x exact) and one config
@@ -174,7 +174,7 @@ def measure_cell(label, N, K, M, ws, timer) -> list[dict]:
     methods = [
         ("bf16", None, lambda w, q, s: F.linear(x, w)),
         ("smm", None, lambda w, q, s: kfp8.scaled_mm(x, q, s)),
-        ("rule", klinear.linear_config(M, N, K, DT), lambda w, q, s: fp8_linear(x, q, Fp8Weight(s, False))),
+        ("rule", klinear.fp8_linear_config(M, N, K, DT), lambda w, q, s: fp8_linear(x, q, Fp8Weight(s, False))),
     ]
     for c in candidates(M):
         methods.append((describe(c), c, lambda w, q, s, c=c: klinear.small_m_linear(x, q, None, c, out, w_scale=s)))
