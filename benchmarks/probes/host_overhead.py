@@ -27,8 +27,9 @@ shows how much host work each step kind costs next to the GPU's time.
 Phases (mean ms per step, decode and prefill steps apart): schedule (Scheduler.schedule),
 prepare (ModelRunner.prepare), execute (the forward call: graph buffer copies + the stub),
 sample (Sampler.sample), launch rest (the rest of LLMEngine._prepare, _forward and _sample:
-step accounting, forks, token pool), process (LLMEngine._process: tokens to host, stop checks, updates), step rest
-(the rest of LLMEngine.step), outputs (LLM.generate's handling of the step's updates).
+step accounting, forks, token pool), process (LLMEngine._process: tokens to host, stop
+checks, updates), step rest (the rest of LLMEngine.step), outputs (LLM.generate's handling
+of the step's updates).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ M; these kernels stream W once with wide loads:
   `reduce_late`, `bit_cvt`, `prefetch`, `split_k`); `x_fp8` rounds x to e4m3 per (row, K
   step) for FP8 tensor-core products instead (cuBLASLt's precision class, not exact in x).
 `linear_config(M, N, K, dtype)` is the rule: a config, or None where cuBLAS is as fast;
-`fp8_linear_config` the FP8 weights' (the bf16 rule until the "fp8" kernel is measured into it).
+`fp8_linear_config` the FP8 weights' (the "fp8" kernel's `x_fp8` configs at M = 2..8 with
+per-channel scales, else the bf16 rule).
 `linear_reference` is the torch reference the tests compare with.
 
 Invariants:
