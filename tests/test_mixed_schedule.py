@@ -18,7 +18,7 @@ from nanoserve.attention.base import AttentionMetadata
 from nanoserve.attention.torch_backend import TorchAttentionBackend
 from nanoserve.config import EngineConfig
 from nanoserve.scheduler.request import Status
-from nanoserve.scheduler.scheduler import ScheduledBatch, pages_for
+from nanoserve.scheduler.scheduler import BURST_WAITING_SHARE, ScheduledBatch, pages_for
 from tests.tiny import VOCAB, hf_greedy, make_tiny_model
 
 MAX_TOKENS = 10
@@ -51,23 +51,32 @@ class StepChecks:
     def __init__(self, engine):
         self.engine = engine
         self.sched = engine.scheduler
-        self.kinds = {"decode": 0, "prefill": 0, "mixed": 0}
-        self.max_mixed_prompt_tokens = 0
+        self.kinds = {"decode": 0, "prefill": 0, "mixed": 0, "burst": 0}
+        self.max_mixed_prompt_tokens = 0  # outside bursts
         schedule = self.sched.schedule
 
         def checked() -> ScheduledBatch | None:
+            waiting, running = len(self.sched.waiting), len(self.sched.running)
             batch = schedule()
             if batch is not None:
-                self.check(batch)
+                self.check(batch, burst=waiting > BURST_WAITING_SHARE * (waiting + running))
             return batch
 
         self.sched.schedule = checked
 
-    def check(self, batch: ScheduledBatch) -> None:
+    def check(self, batch: ScheduledBatch, burst: bool) -> None:
+        """`burst`: more than BURST_WAITING_SHARE of the queued requests waited when `batch`
+        was scheduled, so a mixed step may hold the prefill budget."""
         sched, k = self.sched, batch.num_decodes
         reqs, counts = batch.requests, batch.num_new_tokens
         assert len({id(r) for r in reqs}) == len(reqs), "a request twice in one step"
-        assert batch.num_tokens <= sched.step_budget(batch), (batch.num_tokens, sched.step_budget(batch))
+        if batch.is_decode:
+            limit = len(reqs)
+        elif k == 0 or burst:
+            limit = max(sched.chunk_budget, k)
+        else:
+            limit = max(sched.mixed_budget, k)
+        assert batch.num_tokens <= limit, (batch.num_tokens, limit, burst)
         assert all(c >= 1 for c in counts)
         for i, (req, count) in enumerate(zip(reqs, counts)):
             decode_row = i < k
@@ -85,7 +94,10 @@ class StepChecks:
                 assert sched.mixed_budget is not None, "a mixed step under prefill-first"
                 assert k < len(reqs)
                 assert len(reqs) - k >= 1
-                self.max_mixed_prompt_tokens = max(self.max_mixed_prompt_tokens, batch.num_tokens - k)
+                if burst:
+                    self.kinds["burst"] += batch.num_tokens > sched.mixed_budget
+                else:
+                    self.max_mixed_prompt_tokens = max(self.max_mixed_prompt_tokens, batch.num_tokens - k)
                 # Every running request decodes in a mixed step: none waits behind the prompts.
                 assert {id(r) for r in reqs[:k]} == {id(r) for r in sched.running}
         self.kinds[kind] += 1
@@ -323,7 +335,8 @@ def test_budget_per_entry_point(model_dir):
 
 def test_offline_and_serving_budgets_keep_outputs(model_dir, hf_tokens):
     """All prompts at once with a prefill budget above 512: the offline LLM's mixed steps fill
-    the whole prefill budget, the server's stop at 512 tokens; both give prefill-first's and
+    the whole prefill budget; the server's do during the burst, while most requests wait, and
+    stop at 512 tokens once the running ones outnumber them; both give prefill-first's and
     transformers' greedy tokens, and leave nothing behind."""
     rng = random.Random(31)
     arrivals = [(0, [rng.randrange(VOCAB) for _ in range(rng.randrange(150, 500))]) for _ in range(6)]
@@ -338,6 +351,7 @@ def test_offline_and_serving_budgets_keep_outputs(model_dir, hf_tokens):
     assert by_request(arrivals, offline) == hf_tokens([p for _, p in arrivals])
     assert offline_checks.kinds["mixed"] > 0 and served_checks.kinds["mixed"] > 0
     assert offline_checks.max_mixed_prompt_tokens > 512 >= served_checks.max_mixed_prompt_tokens
+    assert served_checks.kinds["burst"] > 0 and served_checks.max_mixed_prompt_tokens > 0
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

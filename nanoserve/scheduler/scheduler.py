@@ -15,7 +15,9 @@ Policy ("prefill-first", the slow twin of "mixed"):
   decode row for every running request (chosen and given pages as a decode batch, preemption
   included), then prompt chunks, chosen as a prefill batch, until the step holds
   `mixed_budget` tokens (decode rows count one each; prompts get none when the decode rows
-  alone reach it; none when a running request had to be preempted). With nothing running a step is a prefill batch of `chunked_prefill_size`
+  alone reach it; none when a running request had to be preempted). During a burst, while
+  more than `BURST_WAITING_SHARE` of the queued requests wait for their first token, the
+  step may hold `chunked_prefill_size` tokens instead (see there). With nothing running a step is a prefill batch of `chunked_prefill_size`
   tokens (throughput); with nothing waiting, a decode batch, scheduled exactly as under
   prefill-first (no extra host work on the decode path);
 - a request with n > 1 samples is admitted with n slots and forked after its prompt is
@@ -58,6 +60,18 @@ from dataclasses import dataclass
 from nanoserve.kvcache.pool import PageAllocator, PageTable
 from nanoserve.kvcache.radix import RadixCache
 from nanoserve.scheduler.request import Request, Status
+
+# Mixed steps are kept short (`mixed_budget`) so that running requests' next tokens are not
+# held up long by prompt chunks. That trade only pays while most queued requests are running
+# ones: when more than this share of them wait for a first token (a burst: many requests at
+# once, or a queue that outgrew the running batch), a mixed step takes the prefill budget,
+# serving the larger group, as a step with nothing running already does. Short steps would
+# make every waiting request pay their per-step decode cost once per small chunk (dummy
+# llama-3.1-8b on an H200, 200 requests at once: 4,955 output tok/s at 512-token steps
+# against 5,828 under prefill-first; benchmarks/RESULTS.md, 2026-11-26). A queue that
+# forms under steady overload stays far below the running batch (at 32 req/s, about 60
+# waiting beside 150-190 running), so those steps stay short.
+BURST_WAITING_SHARE = 0.5
 
 
 @dataclass
@@ -241,10 +255,18 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         if self.mixed_budget is None or not self.waiting or not self.running:
             return self._schedule_prefill(self.chunk_budget) or self._schedule_decode()
-        return self._schedule_mixed()
+        return self._schedule_mixed(self.mixed_step_tokens())
 
-    def _schedule_mixed(self) -> ScheduledBatch | None:
-        """Every running request's decode row, then prompt chunks up to `mixed_budget` tokens."""
+    def mixed_step_tokens(self) -> int:
+        """Tokens a mixed step scheduled now may hold, decode rows included: `mixed_budget`,
+        or the prefill budget during a burst (see BURST_WAITING_SHARE)."""
+        num_waiting = len(self.waiting)
+        if num_waiting > BURST_WAITING_SHARE * (num_waiting + len(self.running)):
+            return max(self.chunk_budget, self.mixed_budget)
+        return self.mixed_budget
+
+    def _schedule_mixed(self, budget: int) -> ScheduledBatch | None:
+        """Every running request's decode row, then prompt chunks up to `budget` tokens."""
         preempted = self.num_preemptions
         decode = self._schedule_decode()
         if decode is None:
@@ -255,7 +277,7 @@ class Scheduler:
             # the slot it just gave up.)
             return decode
         num_decodes = len(decode.requests)
-        room = self.mixed_budget - num_decodes
+        room = budget - num_decodes
         prefill = self._schedule_prefill(room) if room > 0 else None
         if prefill is None:
             return decode
@@ -266,14 +288,6 @@ class Scheduler:
             self.page_table,
             num_decodes,
         )
-
-    def step_budget(self, batch: ScheduledBatch) -> int:
-        """The most tokens `batch` may hold under the policy (the checks' view of it)."""
-        if batch.is_decode:
-            return len(batch.requests)
-        if batch.num_decodes == 0:
-            return self.chunk_budget
-        return max(self.mixed_budget, batch.num_decodes)
 
     def _schedule_prefill(self, budget: int) -> ScheduledBatch | None:
         chosen: list[Request] = []
