@@ -18,7 +18,13 @@ from nanoserve.attention.base import AttentionMetadata
 from nanoserve.attention.torch_backend import TorchAttentionBackend
 from nanoserve.config import EngineConfig
 from nanoserve.scheduler.request import Status
-from nanoserve.scheduler.scheduler import BURST_WAITING_SHARE, ScheduledBatch, pages_for
+from nanoserve.scheduler.scheduler import (
+    BURST_WAITING_SHARE,
+    MIXED_GROWTH,
+    QUEUE_DRAIN_STEPS,
+    ScheduledBatch,
+    pages_for,
+)
 from tests.tiny import VOCAB, hf_greedy, make_tiny_model
 
 MAX_TOKENS = 10
@@ -51,22 +57,27 @@ class StepChecks:
     def __init__(self, engine):
         self.engine = engine
         self.sched = engine.scheduler
-        self.kinds = {"decode": 0, "prefill": 0, "mixed": 0, "burst": 0}
-        self.max_mixed_prompt_tokens = 0  # outside bursts
+        self.kinds = {"decode": 0, "prefill": 0, "mixed": 0, "burst": 0, "grown": 0}
+        self.max_prompt_tokens = {"plain": 0, "grown": 0, "burst": 0}  # of mixed steps, by budget
         schedule = self.sched.schedule
 
         def checked() -> ScheduledBatch | None:
-            waiting, running = len(self.sched.waiting), len(self.sched.running)
+            sched = self.sched
+            waiting, running = len(sched.waiting), len(sched.running)
+            queued = sum(r.num_uncomputed for r in sched.waiting)
+            grown = min(queued // QUEUE_DRAIN_STEPS, MIXED_GROWTH * (sched.mixed_budget or 0), sched.chunk_budget)
             batch = schedule()
             if batch is not None:
-                self.check(batch, burst=waiting > BURST_WAITING_SHARE * (waiting + running))
+                self.check(batch, waiting > BURST_WAITING_SHARE * (waiting + running), grown)
             return batch
 
         self.sched.schedule = checked
 
-    def check(self, batch: ScheduledBatch, burst: bool) -> None:
+    def check(self, batch: ScheduledBatch, burst: bool, grown: int) -> None:
         """`burst`: more than BURST_WAITING_SHARE of the queued requests waited when `batch`
-        was scheduled, so a mixed step may hold the prefill budget."""
+        was scheduled, so a mixed step may hold the prefill budget; else it may hold `grown`
+        tokens if that is above the mixed budget (the waiting prompts over QUEUE_DRAIN_STEPS,
+        at most MIXED_GROWTH budgets)."""
         sched, k = self.sched, batch.num_decodes
         reqs, counts = batch.requests, batch.num_new_tokens
         assert len({id(r) for r in reqs}) == len(reqs), "a request twice in one step"
@@ -75,7 +86,7 @@ class StepChecks:
         elif k == 0 or burst:
             limit = max(sched.chunk_budget, k)
         else:
-            limit = max(sched.mixed_budget, k)
+            limit = max(sched.mixed_budget, grown, k)
         assert batch.num_tokens <= limit, (batch.num_tokens, limit, burst)
         assert all(c >= 1 for c in counts)
         for i, (req, count) in enumerate(zip(reqs, counts)):
@@ -94,10 +105,10 @@ class StepChecks:
                 assert sched.mixed_budget is not None, "a mixed step under prefill-first"
                 assert k < len(reqs)
                 assert len(reqs) - k >= 1
-                if burst:
-                    self.kinds["burst"] += batch.num_tokens > sched.mixed_budget
-                else:
-                    self.max_mixed_prompt_tokens = max(self.max_mixed_prompt_tokens, batch.num_tokens - k)
+                budget = "burst" if burst else "grown" if grown > sched.mixed_budget else "plain"
+                if budget != "plain":  # count the steps that used the larger budget
+                    self.kinds[budget] += batch.num_tokens > sched.mixed_budget
+                self.max_prompt_tokens[budget] = max(self.max_prompt_tokens[budget], batch.num_tokens - k)
                 # Every running request decodes in a mixed step: none waits behind the prompts.
                 assert {id(r) for r in reqs[:k]} == {id(r) for r in sched.running}
         self.kinds[kind] += 1
@@ -202,7 +213,7 @@ def test_staggered_arrivals_match_prefill_first_and_hf(model_dir, hf_tokens, pag
     assert fast == slow
     assert by_request(arrivals, fast) == hf_tokens([p for _, p in arrivals])
     # A 90-token prompt at these budgets is cut into chunks; some rode in mixed steps.
-    assert checks.max_mixed_prompt_tokens > 1
+    assert max(checks.max_prompt_tokens.values()) > 1
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -245,24 +256,22 @@ def test_abort_mid_mixed_run_leaks_nothing(model_dir):
 
 
 def test_budget_adapts_to_decoding(model_dir):
-    """Prompt tokens per step: the whole prefill budget while nothing decodes, the smaller
-    mixed budget (decode rows included) while requests decode."""
-    llm = make_llm(model_dir, "mixed", chunked_prefill_size=64, max_num_batched_tokens=8)
-    sizes: list[tuple[int, int]] = []
-    sched = llm.engine.scheduler
-    schedule = sched.schedule
-
-    def record():
-        batch = schedule()
-        if batch is not None:
-            sizes.append((batch.num_decodes, batch.num_tokens))
-        return batch
-
-    sched.schedule = record
-    drive(llm, [(0, list(range(1, 150))), (3, list(range(5, 100)))])
-    assert sizes[0] == (0, 64)  # nothing decodes: a full prefill chunk
-    mixed = [s for s in sizes if 0 < s[0] < s[1]]
-    assert mixed and all(total <= 8 for _, total in mixed), mixed
+    """Tokens per step: the whole prefill budget while nothing decodes; the mixed budget
+    (decode rows included) while requests decode; up to MIXED_GROWTH times that while a long
+    prompt queues behind many running requests; the prefill budget again during a burst
+    (more than BURST_WAITING_SHARE of the queued requests waiting). Outputs stay prefill-first's."""
+    rng = random.Random(7)
+    short = [(0, [rng.randrange(VOCAB) for _ in range(3)]) for _ in range(6)]
+    queued = [(2, [rng.randrange(VOCAB) for _ in range(130)])]  # 1 waiting beside 6 running
+    burst = [(20, [rng.randrange(VOCAB) for _ in range(30)]) for _ in range(3)]  # 3 beside 7
+    arrivals = short + queued + burst
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    kw = {"chunked_prefill_size": 64, "max_num_batched_tokens": 8, "enable_prefix_caching": False}
+    slow, fast, checks, _ = both_policies(model_dir, arrivals, params, **kw)
+    assert fast == slow
+    assert checks.kinds["prefill"] > 0 and checks.kinds["grown"] > 0 and checks.kinds["burst"] > 0, checks.kinds
+    assert checks.max_prompt_tokens["grown"] <= MIXED_GROWTH * 8 < checks.max_prompt_tokens["burst"]
+    assert 0 < checks.max_prompt_tokens["plain"] <= 8
 
 
 def test_config_and_cli_flags():
@@ -335,9 +344,9 @@ def test_budget_per_entry_point(model_dir):
 
 def test_offline_and_serving_budgets_keep_outputs(model_dir, hf_tokens):
     """All prompts at once with a prefill budget above 512: the offline LLM's mixed steps fill
-    the whole prefill budget; the server's do during the burst, while most requests wait, and
-    stop at 512 tokens once the running ones outnumber them; both give prefill-first's and
-    transformers' greedy tokens, and leave nothing behind."""
+    the whole prefill budget; the server's only during the burst (all six arrive at once; a
+    step at the plain budget holds at most 512); both give prefill-first's and transformers'
+    greedy tokens, and leave nothing behind."""
     rng = random.Random(31)
     arrivals = [(0, [rng.randrange(VOCAB) for _ in range(rng.randrange(150, 500))]) for _ in range(6)]
     kw = {"device": "cpu", "dtype": "float32", "chunked_prefill_size": 600, "enable_prefix_caching": False}
@@ -350,8 +359,8 @@ def test_offline_and_serving_budgets_keep_outputs(model_dir, hf_tokens):
     assert offline == slow == served
     assert by_request(arrivals, offline) == hf_tokens([p for _, p in arrivals])
     assert offline_checks.kinds["mixed"] > 0 and served_checks.kinds["mixed"] > 0
-    assert offline_checks.max_mixed_prompt_tokens > 512 >= served_checks.max_mixed_prompt_tokens
-    assert served_checks.kinds["burst"] > 0 and served_checks.max_mixed_prompt_tokens > 0
+    assert max(offline_checks.max_prompt_tokens.values()) > 512 >= served_checks.max_prompt_tokens["plain"]
+    assert served_checks.kinds["burst"] > 0
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

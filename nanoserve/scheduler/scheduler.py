@@ -15,9 +15,10 @@ Policy ("prefill-first", the slow twin of "mixed"):
   decode row for every running request (chosen and given pages as a decode batch, preemption
   included), then prompt chunks, chosen as a prefill batch, until the step holds
   `mixed_budget` tokens (decode rows count one each; prompts get none when the decode rows
-  alone reach it; none when a running request had to be preempted). During a burst, while
-  more than `BURST_WAITING_SHARE` of the queued requests wait for their first token, the
-  step may hold `chunked_prefill_size` tokens instead (see there). With nothing running a step is a prefill batch of `chunked_prefill_size`
+  alone reach it; none when a running request had to be preempted). The budget grows while
+  prompts queue, up to `MIXED_GROWTH` times, and during a burst, while more than
+  `BURST_WAITING_SHARE` of the queued requests wait for their first token, it is
+  `chunked_prefill_size` (see there). With nothing running a step is a prefill batch of `chunked_prefill_size`
   tokens (throughput); with nothing waiting, a decode batch, scheduled exactly as under
   prefill-first (no extra host work on the decode path);
 - a request with n > 1 samples is admitted with n slots and forked after its prompt is
@@ -62,16 +63,22 @@ from nanoserve.kvcache.radix import RadixCache
 from nanoserve.scheduler.request import Request, Status
 
 # Mixed steps are kept short (`mixed_budget`) so that running requests' next tokens are not
-# held up long by prompt chunks. That trade only pays while most queued requests are running
-# ones: when more than this share of them wait for a first token (a burst: many requests at
-# once, or a queue that outgrew the running batch), a mixed step takes the prefill budget,
-# serving the larger group, as a step with nothing running already does. Short steps would
-# make every waiting request pay their per-step decode cost once per small chunk (dummy
-# llama-3.1-8b on an H200, 200 requests at once: 4,955 output tok/s at 512-token steps
-# against 5,828 under prefill-first; benchmarks/RESULTS.md, 2026-11-26). A queue that
-# forms under steady overload stays far below the running batch (at 32 req/s, about 60
-# waiting beside 150-190 running), so those steps stay short.
-BURST_WAITING_SHARE = 0.5
+# held up long by prompt chunks; two cases let a step grow (dummy llama-3.1-8b on an H200,
+# 1024-token prompts, benchmarks/RESULTS.md 2026-11-26):
+# - a queue: a step may hold as many tokens as would compute the waiting prompts in
+#   QUEUE_DRAIN_STEPS steps, up to MIXED_GROWTH times `mixed_budget`. At 28 req/s 512-token
+#   steps fall behind the arrivals (time to first token p99 1,279 ms, 68% of requests within
+#   500 ms and 25 ms per token); growing to 1024 keeps up (616 ms, 93%), while at 32 req/s
+#   the inter-token p99 stays at 36-42 ms;
+# - a burst: while more than BURST_WAITING_SHARE of the queued requests wait for a first
+#   token, a step takes the prefill budget, as a step with nothing running does. Short steps
+#   make every waiting request pay the decode rows' per-step cost once per chunk: 200
+#   requests at once gave 5,279 output tok/s at a share of 0.5, 5,845 at 0.2, against
+#   5,818 under prefill-first. A queue under steady overload (32 req/s) stays below a
+#   fifth of the requests in the engine, so its steps keep the growth limit above.
+BURST_WAITING_SHARE = 0.2
+QUEUE_DRAIN_STEPS = 8
+MIXED_GROWTH = 2
 
 
 @dataclass
@@ -259,11 +266,18 @@ class Scheduler:
 
     def mixed_step_tokens(self) -> int:
         """Tokens a mixed step scheduled now may hold, decode rows included: `mixed_budget`,
-        or the prefill budget during a burst (see BURST_WAITING_SHARE)."""
+        more while prompts queue, the prefill budget during a burst (see BURST_WAITING_SHARE)."""
         num_waiting = len(self.waiting)
         if num_waiting > BURST_WAITING_SHARE * (num_waiting + len(self.running)):
             return max(self.chunk_budget, self.mixed_budget)
-        return self.mixed_budget
+        ceiling = min(MIXED_GROWTH * self.mixed_budget, self.chunk_budget)
+        enough = ceiling * QUEUE_DRAIN_STEPS
+        queued = 0
+        for req in self.waiting:  # stops once the ceiling is reached: O(1) in a long queue
+            queued += req.num_uncomputed
+            if queued >= enough:
+                break
+        return max(self.mixed_budget, min(queued // QUEUE_DRAIN_STEPS, ceiling))
 
     def _schedule_mixed(self, budget: int) -> ScheduledBatch | None:
         """Every running request's decode row, then prompt chunks up to `budget` tokens."""
