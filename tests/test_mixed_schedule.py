@@ -65,7 +65,7 @@ class StepChecks:
             sched = self.sched
             waiting, running = len(sched.waiting), len(sched.running)
             queued = sum(r.num_uncomputed for r in sched.waiting)
-            grown = min(queued // QUEUE_DRAIN_STEPS, MIXED_GROWTH * (sched.mixed_budget or 0), sched.chunk_budget)
+            grown = min(queued // QUEUE_DRAIN_STEPS, int(MIXED_GROWTH * (sched.mixed_budget or 0)), sched.chunk_budget)
             batch = schedule()
             if batch is not None:
                 self.check(batch, waiting > BURST_WAITING_SHARE * (waiting + running), grown)
@@ -270,7 +270,7 @@ def test_budget_adapts_to_decoding(model_dir):
     slow, fast, checks, _ = both_policies(model_dir, arrivals, params, **kw)
     assert fast == slow
     assert checks.kinds["prefill"] > 0 and checks.kinds["grown"] > 0 and checks.kinds["burst"] > 0, checks.kinds
-    assert checks.max_prompt_tokens["grown"] <= MIXED_GROWTH * 8 < checks.max_prompt_tokens["burst"]
+    assert checks.max_prompt_tokens["grown"] <= int(MIXED_GROWTH * 8) < checks.max_prompt_tokens["burst"]
     assert 0 < checks.max_prompt_tokens["plain"] <= 8
 
 

@@ -63,22 +63,22 @@ from nanoserve.kvcache.radix import RadixCache
 from nanoserve.scheduler.request import Request, Status
 
 # Mixed steps are kept short (`mixed_budget`) so that running requests' next tokens are not
-# held up long by prompt chunks; two cases let a step grow (dummy llama-3.1-8b on an H200,
-# 1024-token prompts, benchmarks/RESULTS.md 2026-11-26):
+# held up long by prompt chunks; two cases let a step grow (dummy llama-3.1-8b on H200s,
+# 1024-token prompts, benchmarks/RESULTS.md 2026-11-26; each pair on one machine):
 # - a queue: a step may hold as many tokens as would compute the waiting prompts in
-#   QUEUE_DRAIN_STEPS steps, up to MIXED_GROWTH times `mixed_budget`. At 28 req/s 512-token
-#   steps fall behind the arrivals (time to first token p99 1,279 ms, 68% of requests within
-#   500 ms and 25 ms per token); growing to 1024 keeps up (616 ms, 93%), while at 32 req/s
-#   the inter-token p99 stays at 36-42 ms;
+#   QUEUE_DRAIN_STEPS steps, up to MIXED_GROWTH times `mixed_budget`. At 28 req/s fixed
+#   512-token steps fell behind the arrivals (68% of requests within 500 ms to the first
+#   token and 25 ms per token, against 93% when growing to 1024); growing to 1024 also took
+#   the inter-token p99 at 32 req/s to 42-46 ms, to 768 (1.5) 37 ms;
 # - a burst: while more than BURST_WAITING_SHARE of the queued requests wait for a first
 #   token, a step takes the prefill budget, as a step with nothing running does. Short steps
 #   make every waiting request pay the decode rows' per-step cost once per chunk: 200
-#   requests at once gave 5,279 output tok/s at a share of 0.5, 5,845 at 0.2, against
-#   5,818 under prefill-first. A queue under steady overload (32 req/s) stays below a
-#   fifth of the requests in the engine, so its steps keep the growth limit above.
+#   requests at once gave 5,279 output tok/s with bursts from half the queue, 5,845 from a
+#   fifth (prefill-first: 5,655-5,880). A queue under overload at 32 req/s, kept short by
+#   the growth above, stays below a fifth of the requests in the engine.
 BURST_WAITING_SHARE = 0.2
 QUEUE_DRAIN_STEPS = 8
-MIXED_GROWTH = 2
+MIXED_GROWTH = 1.5
 
 
 @dataclass
@@ -270,7 +270,7 @@ class Scheduler:
         num_waiting = len(self.waiting)
         if num_waiting > BURST_WAITING_SHARE * (num_waiting + len(self.running)):
             return max(self.chunk_budget, self.mixed_budget)
-        ceiling = min(MIXED_GROWTH * self.mixed_budget, self.chunk_budget)
+        ceiling = min(int(MIXED_GROWTH * self.mixed_budget), self.chunk_budget)
         enough = ceiling * QUEUE_DRAIN_STEPS
         queued = 0
         for req in self.waiting:  # stops once the ceiling is reached: O(1) in a long queue
