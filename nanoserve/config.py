@@ -39,10 +39,9 @@ DEFAULT_SCHEDULE_POLICY = "prefill-first"  # to become "mixed" once GPU serving 
 #   budget, chunked_prefill_size. Their caller waits for every request to end, so only the
 #   total time counts, and small steps only add steps (qwen3-0.6b offline on an H200: 1,380
 #   steps at 512 against 1,043 under prefill-first).
-# An explicit max_num_batched_tokens wins everywhere. The budget does not follow the load:
-# a server above saturation (dummy llama-3.1-8b at 32 req/s) has a long queue yet must still
-# keep its inter-token latency, so a budget growing with the queue would break exactly the
-# runs it is there for.
+# An explicit max_num_batched_tokens wins everywhere. The scheduler lets a step grow past it
+# while prompts queue (up to 1.5 times) and during a burst (to chunked_prefill_size): see
+# BURST_WAITING_SHARE in nanoserve/scheduler/scheduler.py.
 MIXED_STEP_TOKENS = 512
 
 
