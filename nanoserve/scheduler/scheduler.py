@@ -16,9 +16,9 @@ Policy ("prefill-first", the slow twin of "mixed"):
   included), then prompt chunks, chosen as a prefill batch, until the step holds
   `mixed_budget` tokens (decode rows count one each; prompts get none when the decode rows
   alone reach it; none when a running request had to be preempted). The budget grows while
-  prompts queue, up to `MIXED_GROWTH` times, and during a burst, while more than
-  `BURST_WAITING_SHARE` of the queued requests wait for their first token, it is
-  `chunked_prefill_size` (see there). With nothing running a step is a prefill batch of `chunked_prefill_size`
+  prompts queue, up to `MIXED_GROWTH` times, and is `chunked_prefill_size` during a burst,
+  while more than `BURST_WAITING_SHARE` of the queued requests wait for their first token
+  (see there). With nothing running a step is a prefill batch of `chunked_prefill_size`
   tokens (throughput); with nothing waiting, a decode batch, scheduled exactly as under
   prefill-first (no extra host work on the decode path);
 - a request with n > 1 samples is admitted with n slots and forked after its prompt is
