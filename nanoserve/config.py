@@ -33,8 +33,9 @@ DEFAULT_SCHEDULE_POLICY = "prefill-first"  # to become "mixed" once GPU serving 
 # server:
 # - the server, `nanoserve chat` (and a bare EngineConfig): MIXED_STEP_TOKENS, small enough
 #   that a step stays short (on an H200, dummy llama-3.1-8b at 16 and 32 req/s, ITL p99: 16.8
-#   and 21.0 ms at 512, 23.9 and 30.0 ms at 768, 53.8 and 64.8 ms at 1024; goodput 24 req/s
-#   at 512 and 768, benchmarks/RESULTS.md 2026-11-26);
+#   and 21.0 ms at 512, 23.9 and 30.0 ms at 768, 53.8 and 64.8 ms at 1024 (a run with kernels
+#   still compiling mid-run, before 72cd501); goodput 24 req/s at 512 and 768,
+#   benchmarks/RESULTS.md 2026-11-26);
 # - the offline `LLM` and `nanoserve generate` (`EngineConfig.for_offline`): the prefill
 #   budget, chunked_prefill_size. Their caller waits for every request to end, so only the
 #   total time counts, and small steps only add steps (qwen3-0.6b offline on an H200: 1,380
