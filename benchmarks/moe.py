@@ -1,12 +1,14 @@
 """The fused MoE layer (nanoserve/kernels/moe.py) on a GPU: route + fused_moe against the torch
 reference and against a dense MLP of the same active FLOPs.
 
-    PYTHONUNBUFFERED=1 python benchmarks/moe.py [--models qwen3-30b-a3b mixtral-8x7b]
+    PYTHONUNBUFFERED=1 python benchmarks/moe.py [--models qwen3-30b-a3b mixtral-8x7b mixtral-8x7b-tp2]
         [--tokens 1 2 4 8 16 64 256 1024 4096] [--tune]
 
-Shapes: qwen3-30b-a3b (H 2048, I 768, E 128, k 8) and mixtral-8x7b (H 4096, I 14336, E 8,
-k 2), bf16, random weights and router logits. For each token count T it prints, per layer:
-- fused: route + fused_moe, captured in one CUDA graph over --layers layers, each with its own
+Shapes: qwen3-30b-a3b (H 2048, I 768, E 128, k 8), mixtral-8x7b (H 4096, I 14336, E 8, k 2)
+and one TP=2 rank of it (I 7168), bf16, random weights and router logits. For each token count
+T it prints, per layer:
+- fused: route + fused_moe_partials (the layer as the engine runs it: the next RMSNorm adds
+  the slots' planes), captured in one CUDA graph over --layers layers, each with its own
   weights (so batch-1 decode streams its experts from memory, not from L2), median of 20 replays;
 - ref: `fused_moe_reference` (eager: it reads the routing on the host, so no graph);
 - dense: gate_up GEMM [T, H] x [H, 2*k*I], SiLU-and-mul, down GEMM (cuBLAS, in a graph): the
@@ -19,14 +21,19 @@ qwen3 ~75 MB in ~20 us, mixtral ~700 MB in ~170 us); at T >= 1024 it is a groupe
 should reach a large fraction of the dense GEMM's TFLOP/s. These are targets, not results:
 record measured figures in benchmarks/RESULTS.md.
 
---tune measures the block sizes of both GEMMs (gate_up, then down with gate_up's best) for each
-shape and T and prints `TUNED` entries to paste into nanoserve/kernels/moe.py.
+--tune measures, for each shape and T bucket, the block sizes of both GEMMs on each path that
+T may take (gate_up with the fallback down, then down with gate_up's best; the decode path's
+down also over depth splits), keeps the faster path, and prints `TUNED` entries to paste into
+nanoserve/kernels/moe.py. Every candidate is compiled first, in parallel worker processes
+(--workers), so the timing loop only loads kernels from Triton's cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
+import multiprocessing
 import os
 import sys
 
@@ -39,7 +46,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nanoserve.kernels import moe
 from nanoserve.kernels.activation import silu_and_mul
 
-MODELS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}
+MODELS = {
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "mixtral-8x7b-tp2": (4096, 7168, 8, 2),  # one rank's expert slices at TP=2
+}
 DT = torch.bfloat16
 
 
@@ -92,10 +103,10 @@ class Layers:
         self.w2 = [(torch.randn(E, H, inter, generator=gen, device="cuda") / inter**0.5).to(DT) for _ in range(n)]
         self.logits = [torch.randn(T, E, generator=gen, device="cuda") for _ in range(n)]
 
-    def fused(self, configs=None):
+    def fused(self, configs=None, path=None):
         for w13, w2, logits in zip(self.w13, self.w2, self.logits):
             w, ids = moe.route(logits, self.k, True)
-            moe.fused_moe(self.hidden, w13, w2, w, ids, configs=configs)
+            moe.fused_moe_partials(self.hidden, w13, w2, w, ids, configs=configs, path=path)
 
     def reference(self):
         w, ids = moe.route_reference(self.logits[0], self.k, True)
@@ -133,12 +144,16 @@ def bench(name: str, T: int, n_layers: int, with_ref: bool) -> None:
     )
 
 
-def candidates(T: int, k: int, E: int) -> list[moe.MoEConfig]:
-    if T * k <= moe.DECODE_MAX_PAIRS:
-        return [
-            moe.MoEConfig(1, bn, bk, w, s)
-            for bn, bk, w, s in itertools.product((16, 32, 64, 128), (64, 128, 256), (2, 4, 8), (2, 3))
-        ]
+def decode_candidates() -> list[moe.MoEConfig]:
+    """Decode-path configs: tiles of at most 16k elements and 64 per thread (no spills)."""
+    return [
+        moe.MoEConfig(1, bn, bk, w, s)
+        for bn, bk, w, s in itertools.product((8, 16, 32, 64), (128, 256, 512), (2, 4, 8), (2, 3, 4))
+        if bn * bk <= 16384 and bn * bk <= 64 * 32 * w
+    ]
+
+
+def grouped_candidates(T: int, k: int, E: int) -> list[moe.MoEConfig]:
     rows = T * k / E
     ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * rows)]
     return [
@@ -148,25 +163,98 @@ def candidates(T: int, k: int, E: int) -> list[moe.MoEConfig]:
     ]
 
 
+SPLITS = (2, 4, 8)  # the decode path's depth splits tried on its best down configs
+
+
+def paths_for(T: int, k: int, E: int) -> list[str]:
+    """The paths timed at T: decode while the pairs are few (it reads an expert once per pair,
+    grouped once per distinct expert), grouped from 9 pairs on."""
+    return (["decode"] if T * k <= min(moe.DECODE_MAX_PAIRS, 2 * E) else []) + (["grouped"] if T * k > 8 else [])
+
+
+def _compile_worker(name: str, jobs: list[tuple[str, moe.MoEConfig, moe.MoEConfig]]) -> int:
+    """Compile each (path, gate_up config, down config) by running it once on small inputs
+    (uninitialised weights: only the kernels matter); returns how many did not fit."""
+    H, inter, E, k = MODELS[name]
+    torch.cuda.set_device(0)
+    w13 = torch.empty(E, 2 * inter, H, device="cuda", dtype=DT)
+    w2 = torch.empty(E, H, inter, device="cuda", dtype=DT)
+    failed = 0
+    for path, c13, c2 in jobs:
+        T = 1 if path == "decode" else 4 * E
+        hidden = torch.randn(T, H, device="cuda").to(DT)
+        w, ids = moe.route_reference(torch.randn(T, E, device="cuda"), k, True)
+        try:
+            moe.fused_moe_partials(hidden, w13, w2, w, ids, configs=(c13, c2), path=path)
+        except OutOfResources:
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+def precompile(jobs: dict[str, list], workers: int) -> None:
+    """Every candidate of every shape compiled in `workers` processes (spawned: each has its
+    own CUDA context), into Triton's on-disk cache."""
+    chunks = [(name, part[i::workers]) for name, part in jobs.items() for i in range(workers) if part[i::workers]]
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failed = sum(pool.map(_compile_worker, *zip(*chunks)))
+    print(
+        f"compiled {sum(map(len, jobs.values()))} candidates in {workers} processes ({failed} do not fit)", flush=True
+    )
+
+
+def tuning_jobs(name: str, tokens: list[int]) -> list[tuple[str, moe.MoEConfig, moe.MoEConfig]]:
+    H, inter, E, k = MODELS[name]
+    jobs = set()
+    for T in tokens:
+        for path in paths_for(T, k, E):
+            fb13, fb2 = moe.get_configs(H, inter, E, T, k, path)
+            options = decode_candidates() if path == "decode" else grouped_candidates(T, k, E)
+            jobs |= {(path, c, fb2) for c in options} | {(path, fb13, c) for c in options}
+            if path == "decode":
+                jobs |= {
+                    (path, fb13, moe.MoEConfig(1, c.block_n, c.block_k, c.num_warps, c.num_stages, s))
+                    for c in options
+                    for s in SPLITS[:1]
+                }
+    return sorted(jobs, key=repr)
+
+
 def tune(name: str, T: int, n_layers: int) -> None:
     H, inter, E, k = MODELS[name]
     n = layers_for(H, inter, E, T, k, n_layers)
     layers = Layers(H, inter, E, k, T, n)
-    fallback = moe.get_configs(H, inter, E, T, k)[1]
 
-    def timed(cfgs):
+    def timed(cfgs, path):
         try:
-            return graph_us(lambda: layers.fused(cfgs), reps=10) / n
+            return graph_us(lambda: layers.fused(cfgs, path), reps=10) / n
         except OutOfResources as exc:  # a config that does not fit in shared memory
             print(f"  skipped {cfgs[0]} / {cfgs[1]}: {type(exc).__name__}", file=sys.stderr)
             return float("inf")
 
-    base = timed(moe.get_configs(H, inter, E, T, k))
-    options = candidates(T, k, E)
-    best13 = min(options, key=lambda c: timed((c, fallback)))
-    best2 = min([c for c in options if c.block_m == best13.block_m], key=lambda c: timed((best13, c)))
-    best = timed((best13, best2))
-    print(f"    ({H}, {inter}, {E}, {moe._bucket(T)}): ({best13!r}, {best2!r}),  # {best:.1f} us (was {base:.1f})")
+    base = timed(moe.get_configs(H, inter, E, T, k), None)
+    results = []
+    for path in paths_for(T, k, E):
+        _, fb2 = moe.get_configs(H, inter, E, T, k, path)
+        options = decode_candidates() if path == "decode" else grouped_candidates(T, k, E)
+        best13 = min(options, key=lambda c: timed((c, fb2), path))
+        if path == "grouped":
+            options = [c for c in options if c.block_m == best13.block_m]
+        ranked = sorted(options, key=lambda c: timed((best13, c), path))
+        if path == "decode":  # depth splits of the best few down configs
+            split = [
+                moe.MoEConfig(1, c.block_n, c.block_k, c.num_warps, c.num_stages, s) for c in ranked[:6] for s in SPLITS
+            ]
+            ranked = [ranked[0], *split]
+        best2 = min(ranked, key=lambda c: timed((best13, c), path))
+        us = min(timed((best13, best2), path) for _ in range(2))
+        print(f"  {name} T={T} {path}: {us:.1f} us", flush=True)
+        results.append((us, best13, best2))
+    us, best13, best2 = min(results, key=lambda r: r[0])
+    print(
+        f"    ({H}, {inter}, {E}, {moe._bucket(T)}): ({best13!r}, {best2!r}),  # {us:.1f} us (was {base:.1f})",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -176,10 +264,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="layers per graph at most (own weights each)")
     ap.add_argument("--no-ref", action="store_true", help="skip the torch reference")
     ap.add_argument("--tune", action="store_true", help="measure block sizes, print TUNED entries")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="--tune: compile processes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/moe.py needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | bf16", flush=True)
+    if args.tune:
+        precompile({name: tuning_jobs(name, args.tokens) for name in args.models}, args.workers)
     for name in args.models:
         for T in args.tokens:
             torch.cuda.empty_cache()  # the previous shape's layers are gone with its call

@@ -151,15 +151,16 @@ def test_interp_fused_moe_fp32_tight(path, T, H, inter, E, k, skew):
 def test_interp_fused_moe_bf16(path, T, H, inter, E, k, skew):
     """bf16: near the bf16 twin's distance from the fp64 truth. Triton 3.9's interpreter
     converts fp32 to bf16 by truncation (measured: twice the mean error of round-to-nearest),
-    and the kernel rounds four products, so here the bound is 4x the twin's (measured up to
-    3.2x: 1.18e-2 against 3.64e-3); on the GPU it is 1.5x."""
+    and the kernels round five times (four products, then the sum of the slots' planes), so
+    here the bound is 5x the twin's (measured up to 4.5x: 1.69e-2 against 3.72e-3; 3.2x while
+    the sum was rounded by torch); on the GPU it is 1.5x."""
     args = make_inputs(T, H, inter, E, k, torch.bfloat16, "cpu", skew=skew)
     out = moe.fused_moe(*args, path=path)
     assert out.dtype == torch.bfloat16
     want = truth(*args)
     err, twin = rel_err(out, want), rel_err(moe.fused_moe_reference(*args), want)
     print(f"{path} T={T} E={E} k={k}: kernel {err:.2e}, twin {twin:.2e} (relative to fp64)")
-    assert err < 4 * twin + 1e-3, f"kernel {err:.2e} vs twin {twin:.2e}"
+    assert err < 5 * twin + 1e-3, f"kernel {err:.2e} vs twin {twin:.2e}"
 
 
 @interp
@@ -184,17 +185,61 @@ def test_fused_moe_rejects_bad_shapes():
 
 
 def test_configs_table_then_fallback(monkeypatch):
-    """A shape in TUNED gets its measured entry; any other shape the fallback, without
-    warnings; an entry measured on the other path (a bucket across the T*k rule) is not used."""
-    tuned = (moe.MoEConfig(64, 128, 64, 4, 3), moe.MoEConfig(64, 64, 128, 8, 4))
-    monkeypatch.setitem(moe.TUNED, (4096, 14336, 8, 256), tuned)
-    assert moe.get_configs(4096, 14336, 8, 200, 2) == tuned  # 200 tokens fall in the 256 bucket
-    fallback = moe.get_configs(4096, 14336, 8, 1000, 2)
-    assert fallback == (moe._fallback_config(1000, 2, 8, 14336, False), moe._fallback_config(1000, 2, 8, 4096, False))
-    decode = (moe.MoEConfig(1, 32, 128, 4, 3), moe.MoEConfig(1, 64, 128, 4, 3))
-    monkeypatch.setitem(moe.TUNED, (512, 256, 64, 16), decode)
-    assert moe.get_configs(512, 256, 64, 10, 6) == decode  # 60 pairs: decode
-    assert moe.get_configs(512, 256, 64, 11, 6)[0].block_m > 1  # 66 pairs: grouped, not the decode entry
+    """A bucket in TUNED gets its measured entry and the path it was measured on; a bucket
+    without one the nearest measured bucket of the path the T*k rule picks; a shape without
+    any entry on that path the fallback, without warnings."""
+    monkeypatch.setattr(moe, "TUNED", {})
+    grouped = (moe.MoEConfig(64, 128, 64, 4, 3), moe.MoEConfig(64, 64, 128, 8, 4))
+    grouped_big = (moe.MoEConfig(128, 128, 64, 8, 3), moe.MoEConfig(128, 64, 64, 8, 3))
+    decode = (moe.MoEConfig(1, 32, 128, 4, 3), moe.MoEConfig(1, 64, 256, 4, 3, split_k=2))
+    moe.TUNED[(4096, 14336, 8, 256)] = grouped
+    moe.TUNED[(4096, 14336, 8, 4096)] = grouped_big
+    moe.TUNED[(4096, 14336, 8, 1)] = decode
+    moe.TUNED[(4096, 14336, 8, 16)] = grouped  # measured faster than the decode path at 9..16 tokens
+    assert moe.get_configs(4096, 14336, 8, 200, 2) == grouped  # 200 tokens fall in the 256 bucket
+    assert moe.get_configs(4096, 14336, 8, 1000, 2) == grouped  # bucket 1024: 256 is nearer than 4096
+    assert moe.get_configs(4096, 14336, 8, 3000, 2) == grouped_big
+    assert moe.get_configs(4096, 14336, 8, 12, 2) == grouped  # the entry picks its bucket's path
+    assert moe.get_configs(4096, 14336, 8, 12, 2, path="decode") == decode
+    assert moe.get_configs(4096, 14336, 8, 3, 2) == decode  # bucket 4, untuned: the rule says decode
+    assert moe.get_configs(4096, 14336, 8, 1, 2, path="grouped") == grouped  # nearest grouped bucket
+    fallback = moe.get_configs(4096, 7168, 8, 1000, 2)  # no entry for this shape
+    assert fallback == (moe._fallback_config(1000, 2, 8, 7168, False), moe._fallback_config(1000, 2, 8, 4096, False))
+    assert moe.get_configs(512, 256, 64, 10, 6)[0].block_m == 1  # 60 pairs: decode
+    assert moe.get_configs(512, 256, 64, 11, 6)[0].block_m > 1  # 66 pairs: grouped
+
+
+@interp
+@pytest.mark.parametrize("split", [2, 3, 5])
+@pytest.mark.parametrize(("T", "H", "inter", "E", "k", "skew"), INTERP_SHAPES[:3])
+def test_interp_decode_split_k(split, T, H, inter, E, k, skew):
+    """The decode path's down product split over its depth (splits that do not divide I, and
+    more splits than depth blocks: empty planes): k * split planes, fp32 as tight as unsplit,
+    and their ordered sum is fused_moe's output bit for bit."""
+    args = make_inputs(T, H, inter, E, k, torch.float32, "cpu", skew=skew)
+    cfgs = (moe.MoEConfig(1, 16, 16, 1, 1), moe.MoEConfig(1, 16, 16, 1, 1, split_k=split))
+    planes = moe.fused_moe_partials(*args, configs=cfgs, path="decode")
+    assert planes.shape == (k * split, T, H) and planes.dtype == torch.float32
+    out = moe.fused_moe(*args, configs=cfgs, path="decode")
+    torch.testing.assert_close(out, moe.fused_moe_reference(*args), atol=2e-6, rtol=1e-5)
+    ordered = planes[0].clone()
+    for plane in planes[1:]:
+        ordered += plane
+    assert torch.equal(out, ordered)
+
+
+@interp
+@pytest.mark.parametrize("path", ["decode", "grouped"])
+def test_interp_partials_are_the_slots_terms(path):
+    """Plane j holds slot j's weighted expert output for every token (the layout the next
+    RMSNorm reads), so each plane equals the reference run on that slot alone."""
+    T, H, inter, E, k = 5, 32, 24, 8, 3
+    hidden, w13, w2, weights, ids = make_inputs(T, H, inter, E, k, torch.float32, "cpu")
+    planes = moe.fused_moe_partials(hidden, w13, w2, weights, ids, path=path)
+    assert planes.shape == (k, T, H)
+    for j in range(k):
+        alone = moe.fused_moe_reference(hidden, w13, w2, weights[:, j : j + 1], ids[:, j : j + 1])
+        torch.testing.assert_close(planes[j], alone, atol=2e-6, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

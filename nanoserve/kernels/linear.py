@@ -468,6 +468,23 @@ def _sum_splits_kernel(
     tl.store(y_ptr + row * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def sum_planes(planes: torch.Tensor, out: torch.Tensor, pdl: bool = True) -> torch.Tensor:
+    """out [M, N] = the fp32 planes [S, M, N] (dense) added in plane order and rounded once to
+    out's dtype: the split-K sum, for products that leave their terms in planes (the MoE's)."""
+    S, M, N = planes.shape
+    if not planes.is_contiguous() or planes.dtype != torch.float32 or out.shape != (M, N) or out.stride(1) != 1:
+        raise ValueError(
+            f"sum_planes needs dense fp32 planes [S, M, N] and out [M, N], got {tuple(planes.shape)}, {tuple(out.shape)}"
+        )
+    if M and N:
+        block = min(SUM_BLOCK, triton.next_power_of_2(N))
+        _sum_splits_kernel[(triton.cdiv(N, block), M)](
+            planes, planes, out, M, N, out.stride(0),
+            HAS_BIAS=False, SPLIT_K=S, BLOCK=block, num_warps=4, **launch_options(out.device, pdl),
+        )  # fmt: skip
+    return out
+
+
 def small_m_linear(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -2,17 +2,22 @@
 
 Owns `route` / `route_reference` (softmax over the E router logits in fp32, the k largest,
 optionally divided by their sum) and `fused_moe` / `fused_moe_reference`
-(sum_k w_k * down_e(silu(gate_e x) * up_e x) for every token x, e = topk_ids[t, k]).
+(sum_k w_k * down_e(silu(gate_e x) * up_e x) for every token x, e = topk_ids[t, k]), and
+`fused_moe_partials`, the same sum left as its fp32 terms for the next RMSNorm to add.
 
 Weights: w13 [E, 2*I, H] (an expert's gate rows, then its up rows), w2 [E, H, I].
 
-`fused_moe` takes one of two paths, both Triton, chosen on the host from shapes only:
-- decode (T*k <= DECODE_MAX_PAIRS): one program per (token, slot, column block) reads its
-  chosen expert's rows GEMV-style, so a batch of one reads only the k chosen experts;
+`fused_moe` takes one of two paths, both Triton, chosen on the host from shapes only (the
+measured table's entry for T, else T*k <= DECODE_MAX_PAIRS for decode):
+- decode: one program per (token, slot, column block[, depth split]) reads its chosen
+  expert's rows GEMV-style, so a batch of one reads only the k chosen experts;
 - grouped: the (token, slot) pairs are sorted by expert and every expert's group padded to
   BLOCK_M on the device (`align`), then one grouped GEMM over gate and up with silu(gate)*up in
   its epilogue and one over down with the routing weight applied in its epilogue.
-Both write each pair's contribution to a [T, k, H] buffer that a torch sum folds per token.
+Both write each pair's fp32 contribution to its own plane of a [P, T, H] workspace (P = k, or
+k * split_k when the decode path splits the down product's depth): `fused_moe` adds the planes
+in plane order and rounds once (the split-K sum kernel of linear.py), `fused_moe_partials`
+returns them for the next RMSNorm to add in the same order (one launch less per layer).
 
 Invariants: nothing here reads device data on the host (buffer sizes come from T, E, k and
 BLOCK_M only: the worst case T*k + E*(BLOCK_M-1) padded rows), so CUDA graphs capture route
@@ -30,6 +35,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.launch import INTERPRET
+from nanoserve.kernels.linear import sum_planes
 
 # ----------------------------------------------------------------------------------------------
 # torch references (the CPU path and the slow twin)
@@ -147,18 +153,22 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 class MoEConfig:
     """One shape's launch parameters. Grouped path: BLOCK_M rows (token slots of one expert)
     x BLOCK_N columns per program, BLOCK_K deep steps. Decode path: BLOCK_N output rows per
-    program, BLOCK_K deep steps."""
+    program, BLOCK_K deep steps; split_k > 1 (down product only) splits its depth I over that
+    many programs, each writing its own fp32 plane (more programs for a batch of one)."""
 
     block_m: int = 64
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
 
 # (H, I, E, T bucket) -> (config of the first GEMM [gate_up], config of the second [down]).
 # Measured with `python benchmarks/moe.py --tune` on the GPU it names; T buckets are powers of
-# two (`_bucket`). Shapes not here take `_fallback_config`.
+# two (`_bucket`). An entry also picks its bucket's path: block_m 1 is the decode path (it wins
+# where few tokens pick distinct experts), else the grouped one. Buckets without an entry take
+# the nearest measured bucket of their path, shapes without any the fallback.
 TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
     # H200, 2026-11-25 (at 77fdbbc): batch-1 decode of qwen3-30b-a3b and mixtral-8x7b; the fallback took
     # 46.2 and 242.2 us per layer
@@ -166,7 +176,7 @@ TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
     (4096, 14336, 8, 1): (MoEConfig(1, 16, 128, 8, 3), MoEConfig(1, 16, 256, 8, 3)),  # 193.5 us
 }
 
-DECODE_MAX_PAIRS = 64  # T*k at most this: the decode path (reads only the chosen experts' rows)
+DECODE_MAX_PAIRS = 64  # untuned buckets: T*k at most this takes the decode path
 
 
 def _bucket(T: int) -> int:
@@ -194,14 +204,24 @@ def _fallback_config(T: int, k: int, E: int, N: int, decode: bool) -> MoEConfig:
     return MoEConfig(128, 128, 64, 8, 3)
 
 
-def get_configs(H: int, inter: int, E: int, T: int, k: int) -> tuple[MoEConfig, MoEConfig]:
-    """The (gate_up, down) launch parameters of a shape: the measured table's entry when it
-    was measured on the path this T takes (a bucket may straddle the T*k rule), else the
-    fallback. Decode configs have block_m 1."""
-    decode = T * k <= DECODE_MAX_PAIRS
-    tuned = TUNED.get((H, inter, E, _bucket(T)))
-    if tuned is not None and (tuned[0].block_m == 1) == decode:
-        return tuned
+def _path_of(configs: tuple[MoEConfig, MoEConfig]) -> str:
+    return "decode" if configs[0].block_m == 1 else "grouped"
+
+
+def get_configs(H: int, inter: int, E: int, T: int, k: int, path: str | None = None) -> tuple[MoEConfig, MoEConfig]:
+    """The (gate_up, down) launch parameters of a shape at T tokens on `path` (None: the path
+    the table's entry for T's bucket measured fastest, else the T*k rule): the entry of the
+    nearest measured bucket on that path, else the fallback. Decode configs have block_m 1."""
+    bucket = _bucket(T)
+    measured = {b: cfgs for (h, i, e, b), cfgs in TUNED.items() if (h, i, e) == (H, inter, E)}
+    if path is None:
+        exact = measured.get(bucket)
+        path = _path_of(exact) if exact else ("decode" if T * k <= DECODE_MAX_PAIRS else "grouped")
+    on_path = [b for b, cfgs in measured.items() if _path_of(cfgs) == path]
+    if on_path:
+        nearest = min(on_path, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        return measured[nearest]
+    decode = path == "decode"
     return _fallback_config(T, k, E, inter, decode), _fallback_config(T, k, E, H, decode)
 
 
@@ -311,12 +331,12 @@ def _grouped_gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
 def _grouped_down_kernel(
-    a_ptr, w_ptr, out_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr,
-    H, I, num_pairs, stride_a, stride_we, stride_wn, stride_o,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
+    a_ptr, w_ptr, planes_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr,
+    H, I, num_pairs, stride_a, stride_we, stride_wn, stride_plane,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, n): out[pair, n*BLOCK_N..] = topk_weight[pair] * (act[pair] W_down^T) for
-    the pairs of sorted block b; out is [T*k, H], summed over k afterwards."""
+    """Program (b, n): planes[j, t, n*BLOCK_N..] = topk_weight[pair] * (act[pair] W_down^T) for
+    the pairs t*k + j of sorted block b (planes [k, T, H], rows H apart)."""
     b = tl.program_id(0)
     if b * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -338,10 +358,11 @@ def _grouped_down_kernel(
         acc = _dot(a, w, acc, F32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    dtype = out_ptr.dtype.element_ty
+    dtype = a_ptr.dtype.element_ty
     weight = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0)
     y = acc.to(dtype).to(tl.float32) * weight[:, None]  # the down product in the dtype, as the reference
-    tl.store(out_ptr + pair64[:, None] * stride_o + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
+    row = (pair64 % K) * stride_plane + (pair64 // K) * H
+    tl.store(planes_ptr + row[:, None] + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,32 +406,107 @@ def _decode_gate_up_kernel(
 
 @triton.jit
 def _decode_down_kernel(
-    a_ptr, w_ptr, out_ptr, ids_ptr, topk_w_ptr, H, I, stride_a, stride_we, stride_wn, stride_o,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr, w_ptr, planes_ptr, ids_ptr, topk_w_ptr, H, I, k_split, split_k, stride_a, stride_we, stride_wn,
+    stride_plane, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
-    """Program (p, n): out[p, n*BLOCK_N..] = topk_weight[p] * (act[p] W_down^T) of pair p's expert."""
+    """Program (p, n, s): pair p = t*k + j of pair p's expert, columns n*BLOCK_N.., depth
+    [s*k_split, (s+1)*k_split) of act[p] W_down^T, times topk_weight[p], into plane j*split_k + s
+    at row t (planes [k*split_k, T, H], rows H apart). ROUND (unsplit): the product is rounded
+    to the dtype before the weight multiplies it, as the reference; a split's partial is not
+    (a partial product has no rounding of the reference to match)."""
     p = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(2)
     e = tl.load(ids_ptr + p).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     ks = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    a_ptrs = a_ptr + p * stride_a + ks
+    k_start = split * k_split
+    k_end = tl.minimum(k_start + k_split, I)
+    w_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + k_start + ks[None, :]
+    a_ptrs = a_ptr + p * stride_a + k_start + ks
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k_ok = ks < I - k0
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_ok = ks < k_end - k0
         a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * a[None, :], axis=1)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    dtype = out_ptr.dtype.element_ty
-    y = acc.to(dtype).to(tl.float32) * tl.load(topk_w_ptr + p)
-    tl.store(out_ptr + p * stride_o + cols, y, mask=col_ok)
+    if ROUND:
+        acc = acc.to(a_ptr.dtype.element_ty).to(tl.float32)
+    y = acc * tl.load(topk_w_ptr + p)
+    plane = (p % K) * split_k + split
+    tl.store(planes_ptr + plane * stride_plane + (p // K) * H + cols, y, mask=col_ok)
 
 
 # ----------------------------------------------------------------------------------------------
 # fused_moe
+
+
+def fused_moe_partials(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    configs: tuple[MoEConfig, MoEConfig] | None = None,
+    path: str | None = None,
+) -> torch.Tensor:
+    """The terms of `fused_moe_reference`'s sum, unsummed: fp32 planes [P, T, H] (dense), plane
+    j*S + s holding slot j's weighted down product (split s of its depth; S = the down config's
+    split_k on the decode path, else 1), so that adding the planes in order and rounding once
+    gives `fused_moe` bit for bit. Two launches (decode path) or the device-side align plus two
+    (grouped path), no host synchronisation. `configs` and `path` ("decode" | "grouped")
+    override the table and the T*k rule (the tuning script and the tests use them)."""
+    _check_device(hidden, "fused_moe")
+    _check_args(hidden, w13, w2, topk_weights, topk_ids)
+    if hidden.stride(1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
+        raise ValueError("fused_moe needs hidden with a dense last dim and contiguous w13, w2")
+    T, H = hidden.shape
+    E, _, _ = w13.shape
+    inter = w2.shape[2]
+    k = topk_ids.shape[1]
+    pairs = T * k
+    if path not in (None, "decode", "grouped"):
+        raise ValueError(f"fused_moe: path {path!r} is not 'decode' or 'grouped'")
+    cfg13, cfg2 = configs or get_configs(H, inter, E, T, k, path)
+    path = path or _path_of((cfg13, cfg2))
+    split = cfg2.split_k if path == "decode" else 1
+    planes = torch.empty(k * split, T, H, dtype=torch.float32, device=hidden.device)
+    if T == 0:
+        return planes
+    ids = topk_ids.to(torch.int32).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    if path == "decode":
+        _decode_gate_up_kernel[(pairs, triton.cdiv(inter, cfg13.block_n))](
+            hidden, w13, act, ids, H, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            K=k, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
+        )  # fmt: skip
+        # Each split covers a whole number of BLOCK_K steps.
+        k_split = triton.cdiv(triton.cdiv(inter, split), cfg2.block_k) * cfg2.block_k
+        _decode_down_kernel[(pairs, triton.cdiv(H, cfg2.block_n), split)](
+            act, w2, planes, ids, weights, H, inter, k_split, split, act.stride(0), w2.stride(0), w2.stride(1),
+            T * H, K=k, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, ROUND=split == 1,
+            num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+        )  # fmt: skip
+        return planes
+    f32 = hidden.dtype == torch.float32 or INTERPRET  # see _dot
+    al13 = align(ids, E, cfg13.block_m)
+    al2 = al13 if cfg2.block_m == cfg13.block_m else align(ids, E, cfg2.block_m)
+    _grouped_gate_up_kernel[(al13.block_expert.numel(), triton.cdiv(inter, cfg13.block_n))](
+        hidden, w13, act, al13.sorted_pairs, al13.block_expert, al13.num_padded,
+        H, inter, pairs, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        K=k, BLOCK_M=cfg13.block_m, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, F32=f32,
+        num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
+    )  # fmt: skip
+    _grouped_down_kernel[(al2.block_expert.numel(), triton.cdiv(H, cfg2.block_n))](
+        act, w2, planes, weights, al2.sorted_pairs, al2.block_expert, al2.num_padded,
+        H, inter, pairs, act.stride(0), w2.stride(0), w2.stride(1), T * H,
+        K=k, BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, F32=f32,
+        num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+    )  # fmt: skip
+    return planes
 
 
 def fused_moe(
@@ -421,58 +517,16 @@ def fused_moe(
     topk_ids: torch.Tensor,
     configs: tuple[MoEConfig, MoEConfig] | None = None,
     path: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """As `fused_moe_reference` ([T, H] in hidden's dtype), in Triton: four launches (decode
-    path) or the device-side align plus four (grouped path), no host synchronisation.
-    `configs` and `path` ("decode" | "grouped") override the table and the T*k rule (the
-    tuning script and the tests use them). Per-pair contributions are kept in fp32 and summed
-    over k in fp32, so the result is rounded once, as the reference's."""
-    _check_device(hidden, "fused_moe")
-    _check_args(hidden, w13, w2, topk_weights, topk_ids)
-    if hidden.stride(1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
-        raise ValueError("fused_moe needs hidden with a dense last dim and contiguous w13, w2")
-    T, H = hidden.shape
-    E, _, _ = w13.shape
-    inter = w2.shape[2]
-    k = topk_ids.shape[1]
-    out = torch.empty(T, H, dtype=hidden.dtype, device=hidden.device)
-    if T == 0:
-        return out
-    pairs = T * k
-    ids = topk_ids.to(torch.int32).contiguous()
-    weights = topk_weights.to(torch.float32).contiguous()
-    cfg13, cfg2 = configs or get_configs(H, inter, E, T, k)
-    if path is None:
-        path = "decode" if pairs <= DECODE_MAX_PAIRS else "grouped"
-    act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    contrib = torch.empty(pairs, H, dtype=torch.float32, device=hidden.device)
-    if path == "decode":
-        _decode_gate_up_kernel[(pairs, triton.cdiv(inter, cfg13.block_n))](
-            hidden, w13, act, ids, H, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            K=k, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
-        )  # fmt: skip
-        _decode_down_kernel[(pairs, triton.cdiv(H, cfg2.block_n))](
-            act, w2, contrib, ids, weights, H, inter, act.stride(0), w2.stride(0), w2.stride(1), contrib.stride(0),
-            BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
-        )  # fmt: skip
-    elif path == "grouped":
-        f32 = hidden.dtype == torch.float32 or INTERPRET  # see _dot
-        al13 = align(ids, E, cfg13.block_m)
-        al2 = al13 if cfg2.block_m == cfg13.block_m else align(ids, E, cfg2.block_m)
-        _grouped_gate_up_kernel[(al13.block_expert.numel(), triton.cdiv(inter, cfg13.block_n))](
-            hidden, w13, act, al13.sorted_pairs, al13.block_expert, al13.num_padded,
-            H, inter, pairs, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            K=k, BLOCK_M=cfg13.block_m, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, F32=f32,
-            num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
-        )  # fmt: skip
-        _grouped_down_kernel[(al2.block_expert.numel(), triton.cdiv(H, cfg2.block_n))](
-            act, w2, contrib, weights, al2.sorted_pairs, al2.block_expert, al2.num_padded,
-            H, inter, pairs, act.stride(0), w2.stride(0), w2.stride(1), contrib.stride(0),
-            BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, F32=f32,
-            num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
-        )  # fmt: skip
-    else:
-        raise ValueError(f"fused_moe: path {path!r} is not 'decode' or 'grouped'")
-    # The k contributions of each token summed in fp32, rounded once into hidden's dtype.
-    out.copy_(contrib.view(T, k, H).sum(dim=1))
-    return out
+    """As `fused_moe_reference` ([T, H] in hidden's dtype, into `out` when given: a TP rank's
+    reduce slot), in Triton: `fused_moe_partials`' planes added in plane order in fp32 and
+    rounded once, as the reference rounds its fp32 sum once."""
+    planes = fused_moe_partials(hidden, w13, w2, topk_weights, topk_ids, configs, path)
+    if out is None:
+        out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+    elif out.shape != hidden.shape or out.stride(1) != 1:
+        raise ValueError(
+            f"fused_moe: out {tuple(out.shape)} must be [T, H] = {tuple(hidden.shape)} with a dense last dim"
+        )
+    return sum_planes(planes, out)

@@ -18,8 +18,10 @@ partial sums. The router is replicated (every rank routes every token the same w
 block's output is a partial sum exactly like a dense MLP's, summed by the RMSNorm after it
 (`reduce_over`, fused where symmetric memory allows). Qwen2-MoE's shared expert is sharded the
 same way; its sigmoid gate is replicated and scales the partial sums, which is linear.
-Invariant: the block's output is this rank's partial sums [T, H] in the hidden dtype, never
-SplitKPartials (the routed and shared outputs are added before the norm sees them).
+Invariant: under TP, and with a shared expert, the block's output is this rank's partial sums
+[T, H] in the hidden dtype (the routed and shared outputs are added before the norm sees them);
+on one GPU without a shared expert, the fused kernels' unsummed fp32 terms (SplitKPartials,
+`split_sum_in_norm`), which the next RMSNorm adds in the order `fused_moe` would.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from nanoserve.models.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     RowSlice,
+    SplitKPartials,
     _shard,
     _SwitchedLayer,
     linear,
@@ -145,12 +148,16 @@ class SparseMoE(_SwitchedLayer):
             self.shared_expert = SharedExpert(cfg.hidden_size, moe.shared_expert_intermediate_size, tp)
             self.shared_expert_gate = Router(cfg.hidden_size, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         switches = self.switches
         logits = linear(x, self.gate.weight, switches=switches)
         w13, w2 = self.experts.w13, self.experts.w2
         if x.is_cuda and switches.triton_ops:  # the fused Triton kernels: no host sync, graph-safe
             weights, ids = moe_kernels.route(logits, self.top_k, self.renormalize)
+            if self.shared_expert is None:
+                if self.tp.size == 1 and switches.split_sum_in_norm:  # the next norm adds the terms
+                    return SplitKPartials(moe_kernels.fused_moe_partials(x, w13, w2, weights, ids))
+                return moe_kernels.fused_moe(x, w13, w2, weights, ids, out=self._reduce_slot(x))
             out = moe_kernels.fused_moe(x, w13, w2, weights, ids)
         else:  # slow twins: the loop over chosen experts on CPU, the graph-safe every-expert sum on CUDA
             weights, ids = moe_kernels.route_reference(logits, self.top_k, self.renormalize)
@@ -158,9 +165,13 @@ class SparseMoE(_SwitchedLayer):
         if self.shared_expert is not None:
             gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight, switches=switches))
             out = out + gate * self.shared_expert(x)
-        # Under TP on CUDA, land the partial sums where the next norm's fused all-reduce reads them.
-        slot = self.tp.partial_out(out.shape[0], out.shape[1], out.dtype, MLP_REDUCE_SLOT)
+        slot = self._reduce_slot(out)
         return out if slot is None else slot.copy_(out)
+
+    def _reduce_slot(self, like: torch.Tensor) -> torch.Tensor | None:
+        """Under TP on CUDA, where the partial sums must land for the next norm's fused
+        all-reduce to read them (None: anywhere)."""
+        return self.tp.partial_out(like.shape[0], like.shape[1], like.dtype, MLP_REDUCE_SLOT)
 
 
 def checkpoint_target(name: str) -> tuple[str, str | None] | None:
