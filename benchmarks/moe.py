@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import gc
 import itertools
 import multiprocessing
@@ -165,6 +166,15 @@ def grouped_candidates(T: int, k: int, E: int) -> list[moe.MoEConfig]:
 
 
 SPLITS = (2, 4, 8)  # the decode path's depth splits tried on its best down configs
+GROUPS = (4, 8, 16)  # the grouped path's block groups tried where experts get several blocks
+GROUPS_MIN_ROWS = 256  # ... i.e. where the mean rows per expert reach this
+
+
+def grouped_variants(c: moe.MoEConfig, T: int, k: int, E: int) -> list[moe.MoEConfig]:
+    """c in block groups (`MoEConfig.group_m`), where an expert's rows span several blocks."""
+    if T * k / E < GROUPS_MIN_ROWS:
+        return []
+    return [dataclasses.replace(c, group_m=g) for g in GROUPS]
 
 
 def paths_for(T: int, k: int, E: int) -> list[str]:
@@ -212,6 +222,9 @@ def tuning_jobs(name: str, tokens: list[int]) -> list[tuple[str, moe.MoEConfig, 
             fb13, fb2 = moe.get_configs(H, inter, E, T, k, path)
             options = decode_candidates() if path == "decode" else grouped_candidates(T, k, E)
             jobs |= {(path, c, fb2) for c in options} | {(path, fb13, c) for c in options}
+            if path == "grouped":
+                jobs |= {(path, v, fb2) for c in options if c.block_m >= 64 for v in grouped_variants(c, T, k, E)}
+                jobs |= {(path, fb13, v) for c in options if c.block_m >= 64 for v in grouped_variants(c, T, k, E)}
             if path == "decode":
                 jobs |= {
                     (path, fb13, moe.MoEConfig(1, c.block_n, c.block_k, c.num_warps, c.num_stages, s))
@@ -248,6 +261,9 @@ def tune(name: str, T: int, n_layers: int) -> None:
             ]
             ranked = [ranked[0], *split]
         best2 = min(ranked, key=lambda c: timed((best13, c), path))
+        if path == "grouped":  # block groups for the best of each GEMM
+            best13 = min([best13, *grouped_variants(best13, T, k, E)], key=lambda c: timed((c, best2), path))
+            best2 = min([best2, *grouped_variants(best2, T, k, E)], key=lambda c: timed((best13, c), path))
         us = min(timed((best13, best2), path) for _ in range(2))
         print(f"  {name} T={T} {path}: {us:.1f} us", flush=True)
         results.append((us, best13, best2))

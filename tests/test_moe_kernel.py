@@ -173,6 +173,26 @@ def test_interp_grouped_blocks_wider_than_groups():
     torch.testing.assert_close(out, moe.fused_moe_reference(*args), atol=2e-6, rtol=1e-5)
 
 
+@interp
+@pytest.mark.parametrize("group_m", [1, 3, 64])
+def test_interp_grouped_block_order(group_m):
+    """Sorted blocks taken in groups (1, one that does not divide the block count, more than
+    there are): every (block, column block) program still runs once, so fp32 stays tight."""
+    args = make_inputs(33, 72, 56, 8, 4, torch.float32, "cpu")
+    cfg = moe.MoEConfig(16, 16, 16, 1, 1, group_m=group_m)
+    out = moe.fused_moe(*args, configs=(cfg, cfg), path="grouped")
+    torch.testing.assert_close(out, moe.fused_moe_reference(*args), atol=2e-6, rtol=1e-5)
+
+
+def test_fp32_reads_tiles_of_the_bf16_bytes():
+    """The table is measured in bf16; fp32 runs take half as deep tiles, so a config that fits
+    shared memory in bf16 fits in fp32 (a 512-deep fp32 decode tile did not, on an H200)."""
+    cfg = moe.MoEConfig(1, 8, 512, 2, 3)
+    assert moe._for_dtype(cfg, torch.bfloat16) == cfg
+    assert moe._for_dtype(cfg, torch.float32) == moe.MoEConfig(1, 8, 256, 2, 3)
+    assert moe._for_dtype(moe.MoEConfig(16, 16, 16, 1, 1), torch.float32).block_k == 16  # tl.dot's least
+
+
 def test_fused_moe_rejects_bad_shapes():
     hidden, w13, w2, weights, ids = make_inputs(2, 8, 4, 4, 2, torch.float32, "cpu")
     with pytest.raises(ValueError, match="do not fit"):

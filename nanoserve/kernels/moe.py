@@ -27,7 +27,7 @@ for shapes not in it, from `_fallback_config`, silently.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -154,7 +154,10 @@ class MoEConfig:
     """One shape's launch parameters. Grouped path: BLOCK_M rows (token slots of one expert)
     x BLOCK_N columns per program, BLOCK_K deep steps. Decode path: BLOCK_N output rows per
     program, BLOCK_K deep steps; split_k > 1 (down product only) splits its depth I over that
-    many programs, each writing its own fp32 plane (more programs for a batch of one)."""
+    many programs, each writing its own fp32 plane (more programs for a batch of one).
+    Grouped path: group_m > 0 sorted blocks sweep the column blocks together (their rows stay
+    in L2 while the weights stream; large T), 0 every sorted block in turn per column block.
+    Measured in bf16: an fp32 run reads tiles of the same bytes (`_for_dtype`)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -162,6 +165,7 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    group_m: int = 0
 
 
 # (H, I, E, T bucket) -> (config of the first GEMM [gate_up], config of the second [down]).
@@ -231,6 +235,14 @@ def _fallback_config(T: int, k: int, E: int, N: int, decode: bool) -> MoEConfig:
     if rows <= 256:
         return MoEConfig(64, 128, 64, 4, 3)
     return MoEConfig(128, 128, 64, 8, 3)
+
+
+def _for_dtype(config: MoEConfig, dtype: torch.dtype) -> MoEConfig:
+    """A table config for `dtype`: wider elements than bf16's read tiles as many bytes deep
+    (half the BLOCK_K for fp32), so whatever fits the GPU's shared memory in bf16 fits."""
+    if dtype.itemsize <= 2:
+        return config
+    return replace(config, block_k=max(16, config.block_k * 2 // dtype.itemsize))
 
 
 def _path_of(configs: tuple[MoEConfig, MoEConfig]) -> str:
@@ -314,16 +326,29 @@ def _dot(a, b, acc, F32: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _block_of(pid, num_m, n_blocks, GROUP_M: tl.constexpr):
+    """(sorted block, column block) of program pid in a grid of num_m x n_blocks: GROUP_M
+    sorted blocks take every column block in turn together, so their rows are read from HBM
+    once and each weight tile once per group; GROUP_M 0: all num_m blocks form one group."""
+    if GROUP_M == 0:
+        return pid % num_m, pid // num_m
+    in_group = GROUP_M * n_blocks
+    first = (pid // in_group) * GROUP_M
+    rows = tl.minimum(num_m - first, GROUP_M)
+    return first + (pid % in_group) % rows, (pid % in_group) // rows
+
+
 @triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
 def _grouped_gate_up_kernel(
     x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr,
-    H, I, num_pairs, stride_x, stride_we, stride_wn, stride_o,
+    H, I, num_pairs, num_m, stride_x, stride_we, stride_wn, stride_o,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32: tl.constexpr,
+    GROUP_M: tl.constexpr, F32: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, n): the pairs of sorted block b (one expert's), columns n*BLOCK_N.. of
-    silu(x W_gate^T) * (x W_up^T), into out[pair] ([T*k, I])."""
-    b = tl.program_id(0)
+    """Program (b, n) (`_block_of`): the pairs of sorted block b (one expert's), columns
+    n*BLOCK_N.. of silu(x W_gate^T) * (x W_up^T), into out[pair] ([T*k, I])."""
+    b, n = _block_of(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if b * BLOCK_M >= tl.load(num_padded_ptr):
         return
     e = tl.load(block_expert_ptr + b).to(tl.int64)
@@ -331,7 +356,7 @@ def _grouped_gate_up_kernel(
     pair = tl.load(pairs_ptr + rows)
     valid = pair < num_pairs
     token = (pair // K).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_x + ks[None, :]
@@ -361,12 +386,13 @@ def _grouped_gate_up_kernel(
 @triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
 def _grouped_down_kernel(
     a_ptr, w_ptr, planes_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr,
-    H, I, num_pairs, stride_a, stride_we, stride_wn, stride_plane,
-    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
+    H, I, num_pairs, num_m, stride_a, stride_we, stride_wn, stride_plane,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, F32: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, n): planes[j, t, n*BLOCK_N..] = topk_weight[pair] * (act[pair] W_down^T) for
-    the pairs t*k + j of sorted block b (planes [k, T, H], rows H apart)."""
-    b = tl.program_id(0)
+    """Program (b, n) (`_block_of`): planes[j, t, n*BLOCK_N..] = topk_weight[pair] *
+    (act[pair] W_down^T) for the pairs t*k + j of sorted block b (planes [k, T, H], rows H apart)."""
+    b, n = _block_of(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if b * BLOCK_M >= tl.load(num_padded_ptr):
         return
     e = tl.load(block_expert_ptr + b).to(tl.int64)
@@ -374,7 +400,7 @@ def _grouped_down_kernel(
     pair = tl.load(pairs_ptr + rows)
     valid = pair < num_pairs
     pair64 = pair.to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + pair64[:, None] * stride_a + ks[None, :]
@@ -498,8 +524,8 @@ def fused_moe_partials(
     pairs = T * k
     if path not in (None, "decode", "grouped"):
         raise ValueError(f"fused_moe: path {path!r} is not 'decode' or 'grouped'")
-    cfg13, cfg2 = configs or get_configs(H, inter, E, T, k, path)
-    path = path or _path_of((cfg13, cfg2))
+    cfg13, cfg2 = configs or (_for_dtype(c, hidden.dtype) for c in get_configs(H, inter, E, T, k, path))
+    path = path or ("decode" if cfg13.block_m == 1 else "grouped")
     split = cfg2.split_k if path == "decode" else 1
     planes = torch.empty(k * split, T, H, dtype=torch.float32, device=hidden.device)
     if T == 0:
@@ -523,16 +549,18 @@ def fused_moe_partials(
     f32 = hidden.dtype == torch.float32 or INTERPRET  # see _dot
     al13 = align(ids, E, cfg13.block_m)
     al2 = al13 if cfg2.block_m == cfg13.block_m else align(ids, E, cfg2.block_m)
-    _grouped_gate_up_kernel[(al13.block_expert.numel(), triton.cdiv(inter, cfg13.block_n))](
+    num_m = al13.block_expert.numel()
+    _grouped_gate_up_kernel[(num_m * triton.cdiv(inter, cfg13.block_n),)](
         hidden, w13, act, al13.sorted_pairs, al13.block_expert, al13.num_padded,
-        H, inter, pairs, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        K=k, BLOCK_M=cfg13.block_m, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, F32=f32,
+        H, inter, pairs, num_m, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        K=k, BLOCK_M=cfg13.block_m, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, GROUP_M=cfg13.group_m, F32=f32,
         num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
     )  # fmt: skip
-    _grouped_down_kernel[(al2.block_expert.numel(), triton.cdiv(H, cfg2.block_n))](
+    num_m = al2.block_expert.numel()
+    _grouped_down_kernel[(num_m * triton.cdiv(H, cfg2.block_n),)](
         act, w2, planes, weights, al2.sorted_pairs, al2.block_expert, al2.num_padded,
-        H, inter, pairs, act.stride(0), w2.stride(0), w2.stride(1), T * H,
-        K=k, BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, F32=f32,
+        H, inter, pairs, num_m, act.stride(0), w2.stride(0), w2.stride(1), T * H,
+        K=k, BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m, F32=f32,
         num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
     )  # fmt: skip
     return planes
