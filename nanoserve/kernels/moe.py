@@ -174,8 +174,9 @@ class MoEConfig:
 # where few tokens pick distinct experts), else the grouped one. Buckets without an entry take
 # the nearest measured bucket of their path, shapes without any the fallback.
 TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
-    # H200, 2026-11-26 (at 063d661): route + fused_moe_partials per layer; "was" is the
-    # previous table (batch 1) or the fallback. qwen3-30b-a3b:
+    # H200, 2026-11-26 (at 063d661; entries with group_m at 5ddca2a, where groups at 1024 and
+    # 4096 tokens did not beat the kept entries beyond the runs' +-4% noise): route +
+    # fused_moe_partials per layer; "was" is the previous entry or the fallback. qwen3-30b-a3b:
     (2048, 768, 128, 1): (MoEConfig(1, 8, 512, 2, 3), MoEConfig(1, 16, 128, 8, 3)),  # 28.4 us (was 31.1)
     (2048, 768, 128, 2): (MoEConfig(1, 8, 512, 2, 2), MoEConfig(1, 16, 128, 8, 4)),  # 47.2 us (was 61.2)
     (2048, 768, 128, 4): (MoEConfig(1, 8, 512, 2, 3), MoEConfig(1, 32, 128, 8, 3, 2)),  # 81.2 us (was 99.3)
@@ -186,8 +187,14 @@ TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
     (2048, 768, 128, 128): (MoEConfig(16, 128, 128, 4, 3), MoEConfig(16, 64, 128, 4, 3)),  # 377.4 us (was 381.6)
     (2048, 768, 128, 256): (MoEConfig(16, 64, 128, 4, 3), MoEConfig(16, 128, 128, 4, 3)),  # 403.8 us (was 405.6)
     (2048, 768, 128, 1024): (MoEConfig(32, 128, 64, 8, 4), MoEConfig(32, 128, 64, 4, 4)),  # 604.1 us (was 631.8)
-    (2048, 768, 128, 4096): (MoEConfig(64, 64, 64, 4, 3), MoEConfig(64, 128, 64, 8, 3)),  # 1084.9 us (was 1182.5)
-    (2048, 768, 128, 8192): (MoEConfig(128, 128, 64, 8, 4), MoEConfig(128, 128, 64, 8, 3)),  # 1709.9 us (was 1721.9)
+    (2048, 768, 128, 4096): (
+        MoEConfig(64, 64, 64, 4, 3, group_m=16),
+        MoEConfig(64, 128, 64, 8, 3, group_m=4),
+    ),  # 1024.6 us (was 1091.1)
+    (2048, 768, 128, 8192): (
+        MoEConfig(128, 128, 64, 8, 4, group_m=4),
+        MoEConfig(128, 128, 64, 8, 3, group_m=4),
+    ),  # 1565.2 us (was 1726.9)
     # mixtral-8x7b (from 8 tokens on the grouped path wins: the decode one reads an expert per pair):
     (4096, 14336, 8, 1): (MoEConfig(1, 8, 512, 4, 2), MoEConfig(1, 8, 256, 4, 2, 8)),  # 176.0 us (was 215.5)
     (4096, 14336, 8, 2): (MoEConfig(1, 8, 512, 4, 4), MoEConfig(1, 32, 128, 8, 3, 4)),  # 326.4 us (was 395.5)
@@ -203,7 +210,10 @@ TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
         MoEConfig(128, 128, 64, 8, 3),
         MoEConfig(128, 128, 64, 8, 3),
     ),  # 6255.8 us (was 5986.9, the same configs)
-    (4096, 14336, 8, 8192): (MoEConfig(128, 128, 64, 8, 4), MoEConfig(128, 128, 64, 4, 3)),  # 12563.0 us (was 12729.9)
+    (4096, 14336, 8, 8192): (
+        MoEConfig(128, 128, 64, 8, 3, group_m=16),
+        MoEConfig(128, 128, 64, 4, 3, group_m=8),
+    ),  # 11523.2 us (was 12923.6)
     # mixtral-8x7b, one rank of TP=2 (expert slices I/2 wide):
     (4096, 7168, 8, 1): (MoEConfig(1, 8, 128, 4, 2), MoEConfig(1, 8, 256, 4, 3, 8)),  # 97.2 us (was 127.2)
     (4096, 7168, 8, 2): (MoEConfig(1, 8, 512, 4, 2), MoEConfig(1, 32, 128, 8, 3, 4)),  # 172.9 us (was 224.6)
