@@ -96,12 +96,15 @@ def test_route_rejects_bad_top_k():
         moe.route(torch.randn(2, 4), 0, True)
 
 
-@pytest.mark.parametrize(("T", "k", "E", "block_m"), [(1, 2, 8, 16), (7, 3, 5, 4), (40, 8, 16, 16), (3, 1, 64, 32)])
+ALIGN_CASES = [(1, 2, 8, 16), (7, 3, 5, 4), (40, 8, 16, 16), (3, 1, 64, 32), (256, 8, 128, 16), (512, 2, 8, 128)]
+
+
+@pytest.mark.parametrize(("T", "k", "E", "block_m"), ALIGN_CASES)
 def test_align_groups_every_pair_once(T, k, E, block_m):
-    """Torch only (runs on CPU as on the GPU): every pair once, blocks of one expert in
+    """The torch twin (runs on CPU as on the GPU): every pair once, blocks of one expert in
     expert order, padding only at each group's end, num_padded = the padded group sizes."""
     ids = torch.randint(0, E, (T, k), dtype=torch.int32)
-    al = moe.align(ids, E, block_m)
+    al = moe.align_reference(ids, E, block_m)
     pairs = T * k
     assert al.sorted_pairs.numel() == moe.align_capacity(T, k, E, block_m)
     used = int(al.num_padded)
@@ -119,6 +122,21 @@ def test_align_groups_every_pair_once(T, k, E, block_m):
         assert (rows[len(members) :] == pairs).all()  # padding after the group's pairs
         assert b == 0 or int(al.block_expert[b - 1]) <= e
     assert (al.block_expert[used // block_m :] == E).all()
+
+
+@interp
+@pytest.mark.parametrize("skew", [0.0, 2.0])
+@pytest.mark.parametrize(("T", "k", "E", "block_m"), ALIGN_CASES)
+def test_interp_align_kernel_equals_twin(T, k, E, block_m, skew):
+    """The one-program align kernel returns the twin's alignment exactly (also with most
+    experts empty)."""
+    logits = torch.randn(T, E) - skew * torch.arange(E)
+    ids = moe.route_reference(logits, k, True)[1]
+    al, twin = moe.align(ids, E, block_m), moe.align_reference(ids, E, block_m)
+    assert T * k <= moe.ALIGN_KERNEL_MAX_PAIRS
+    assert torch.equal(al.sorted_pairs, twin.sorted_pairs)
+    assert torch.equal(al.block_expert, twin.block_expert)
+    assert torch.equal(al.num_padded, twin.num_padded)
 
 
 # (T, H, I, E, k, skew): ragged H and I, empty experts (T*k < E, skew), every top-k up to 8
@@ -316,6 +334,20 @@ def test_gpu_route(T, E, k):
         assert torch.equal(ids, want)
         assert torch.equal(logits.gather(1, ids_ref.long()), logits.gather(1, ids.long()))
         torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("block_m", [16, 64, 128])
+@pytest.mark.parametrize(
+    ("T", "E", "k"), [(1, 8, 2), (9, 8, 2), (256, 8, 2), (2048, 8, 2), (5, 128, 8), (256, 128, 8), (512, 128, 8)]
+)
+def test_gpu_align_kernel_equals_twin(T, E, k, block_m):
+    """Every decode batch size's alignment (up to ALIGN_KERNEL_MAX_PAIRS pairs) from the one
+    kernel equals the torch twin's exactly."""
+    ids = moe.route_reference(torch.randn(T, E, device="cuda"), k, True)[1]
+    al, twin = moe.align(ids, E, block_m), moe.align_reference(ids, E, block_m)
+    for name in ("sorted_pairs", "block_expert", "num_padded"):
+        assert torch.equal(getattr(al, name), getattr(twin, name)), name
 
 
 @gpu

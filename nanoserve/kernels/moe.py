@@ -298,10 +298,11 @@ def align_capacity(T: int, k: int, E: int, block_m: int) -> int:
     return triton.cdiv(pairs + E * (block_m - 1), block_m) * block_m
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
-    """Sort the T*k (token, slot) pairs by expert on the device, without host synchronisation
-    (sizes from T, k, E and block_m only; scatter_add instead of bincount, whose output size
-    is read from the data)."""
+def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Sort the T*k (token, slot) pairs by expert on the device in torch, without host
+    synchronisation (sizes from T, k, E and block_m only; scatter_add instead of bincount,
+    whose output size is read from the data): about 25 launches, the slow twin of `align` and
+    its path beyond ALIGN_KERNEL_MAX_PAIRS."""
     T, k = topk_ids.shape
     device = topk_ids.device
     pairs = T * k
@@ -321,6 +322,69 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     block_starts = torch.arange(0, capacity, block_m, device=device)
     block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
     return Alignment(sorted_pairs, block_expert, padded_end[-1:].to(torch.int32), block_m)
+
+
+ALIGN_KERNEL_MAX_PAIRS = 4096  # pairs one program of `_align_kernel` sorts; more: align_reference
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, scratch_ptr, pairs, capacity,
+    E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """One program: `align_reference`'s result for up to BLOCK_P pairs. The pairs are sorted
+    by (expert, index) (stable, as argsort), the i-th in that order goes to row
+    padded_start[e] + (i - count_start[e]) of its expert e; scratch [2 * BLOCK_E] hands the
+    per-expert shifts and group ends from the expert lanes to the pair lanes."""
+    offs = tl.arange(0, BLOCK_P)
+    e = tl.load(ids_ptr + offs, mask=offs < pairs, other=E)  # padding lanes sort after every expert
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.where(experts < E, tl.histogram(e, BLOCK_E), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    shift = (padded_end - padded) - (tl.cumsum(counts, 0) - counts)  # padded start - count start
+    tl.store(scratch_ptr + experts, shift)
+    tl.store(scratch_ptr + BLOCK_E + experts, padded_end)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    for c0 in range(0, capacity, BLOCK_C):  # every row padding until a pair lands on it
+        rows = c0 + tl.arange(0, BLOCK_C)
+        tl.store(sorted_ptr + rows, pairs + tl.zeros([BLOCK_C], tl.int32), mask=rows < capacity)
+    tl.debug_barrier()  # the stores above are seen by every thread of the program below
+    key = tl.sort(e * BLOCK_P + offs)
+    sorted_e = key // BLOCK_P
+    real = sorted_e < E
+    dest = offs + tl.load(scratch_ptr + sorted_e, mask=real, other=0)
+    tl.store(sorted_ptr + dest, key % BLOCK_P, mask=real)
+    ends = tl.load(scratch_ptr + BLOCK_E + experts)
+    for b0 in range(0, capacity // BLOCK_M, BLOCK_B):  # a block's expert: the groups ending at or before it
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        done = (ends[None, :] <= (blocks * BLOCK_M)[:, None]) & (experts[None, :] < E)
+        tl.store(block_expert_ptr + blocks, tl.sum(done.to(tl.int32), axis=1), mask=blocks < capacity // BLOCK_M)
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Sort the T*k (token, slot) pairs by expert on the device, without host synchronisation:
+    one launch of `_align_kernel` up to ALIGN_KERNEL_MAX_PAIRS pairs (every decode batch of a
+    CUDA graph), `align_reference` beyond (and for CPU tensors outside the interpreter)."""
+    T, k = topk_ids.shape
+    pairs = T * k
+    if pairs > ALIGN_KERNEL_MAX_PAIRS or not pairs or not (topk_ids.is_cuda or INTERPRET):
+        return align_reference(topk_ids, num_experts, block_m)
+    device = topk_ids.device
+    capacity = align_capacity(T, k, num_experts, block_m)
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    block_e = triton.next_power_of_2(num_experts + 1)  # lane E holds the padding lanes' count
+    scratch = torch.empty(2 * block_e, dtype=torch.int32, device=device)
+    block_p = triton.next_power_of_2(pairs)
+    _align_kernel[(1,)](
+        topk_ids.to(torch.int32).contiguous(), sorted_pairs, block_expert, num_padded, scratch, pairs, capacity,
+        E=num_experts, BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e, BLOCK_C=1024,
+        BLOCK_B=max(16, 4096 // block_e), num_warps=4 if block_p <= 1024 else 8,
+    )  # fmt: skip
+    return Alignment(sorted_pairs, block_expert, num_padded, block_m)
 
 
 # ----------------------------------------------------------------------------------------------
