@@ -538,8 +538,8 @@ def _decode_down_kernel(
     a_ptr, w_ptr, planes_ptr, ids_ptr, topk_w_ptr, H, I, k_split, split_k, stride_a, stride_we, stride_wn,
     stride_plane, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
-    """Program (p, n, s): pair p = t*k + j of pair p's expert, columns n*BLOCK_N.., depth
-    [s*k_split, (s+1)*k_split) of act[p] W_down^T, times topk_weight[p], into plane j*split_k + s
+    """Program (p, n, s), pair p = t*k + j: columns n*BLOCK_N.. of act[p] W_down^T over the
+    depth [s*k_split, (s+1)*k_split) of p's expert, times topk_weight[p], into plane j*split_k + s
     at row t (planes [k*split_k, T, H], rows H apart). ROUND (unsplit): the product is rounded
     to the dtype before the weight multiplies it, as the reference; a split's partial is not
     (a partial product has no rounding of the reference to match)."""
