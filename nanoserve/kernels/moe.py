@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.launch import INTERPRET
+from nanoserve.kernels.launch import INTERPRET, launch_options, pdl_start
 from nanoserve.kernels.linear import sum_planes
 
 # ----------------------------------------------------------------------------------------------
@@ -100,10 +100,11 @@ def _check_device(x: torch.Tensor, what: str) -> None:
 @triton.jit
 def _route_kernel(
     logits_ptr, w_ptr, ids_ptr, E, stride_l,
-    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
+    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program t: softmax over row t's E logits in fp32, then k rounds of (max, first argmax,
     mask it out), largest first as torch.topk."""
+    pdl_start(USE_PDL)  # every read here is of the previous kernel's output
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
@@ -125,9 +126,12 @@ def _route_kernel(
     tl.store(ids_ptr + t * K + kr, ids, mask=kr < K)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """As `route_reference`, in one Triton launch (one program per token). Ties go to the
-    lower expert index (torch.topk leaves their order unspecified)."""
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, pdl: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `route_reference`, in one Triton launch (one program per token; under PDL where
+    `pdl` and the GPU allow, see launch.py). Ties go to the lower expert index (torch.topk
+    leaves their order unspecified)."""
     _check_device(router_logits, "route")
     if router_logits.dim() != 2 or router_logits.stride(1) != 1:
         raise ValueError("route needs router_logits [T, E] with a dense last dim")
@@ -140,7 +144,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
         _route_kernel[(T,)](
             router_logits, weights, ids, E, router_logits.stride(0),
             K=top_k, BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k),
-            RENORM=renormalize, num_warps=1 if E <= 64 else 4,
+            RENORM=renormalize, num_warps=1 if E <= 64 else 4, **launch_options(router_logits.device, pdl),
         )  # fmt: skip
     return weights, ids
 
@@ -501,10 +505,11 @@ def _grouped_down_kernel(
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr, w_ptr, out_ptr, ids_ptr, H, I, stride_x, stride_we, stride_wn, stride_o,
-    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (p, n): pair p = t*k + j, columns n*BLOCK_N.. of its expert's silu(gate)*up:
     reads only that expert's rows."""
+    pdl_start(USE_PDL)  # which rows to read comes from the route kernel
     p = tl.program_id(0).to(tl.int64)
     e = tl.load(ids_ptr + p).to(tl.int64)
     token = p // K
@@ -537,12 +542,14 @@ def _decode_gate_up_kernel(
 def _decode_down_kernel(
     a_ptr, w_ptr, planes_ptr, ids_ptr, topk_w_ptr, H, I, k_split, split_k, stride_a, stride_we, stride_wn,
     stride_plane, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (p, n, s), pair p = t*k + j: columns n*BLOCK_N.. of act[p] W_down^T over the
     depth [s*k_split, (s+1)*k_split) of p's expert, times topk_weight[p], into plane j*split_k + s
     at row t (planes [k*split_k, T, H], rows H apart). ROUND (unsplit): the product is rounded
     to the dtype before the weight multiplies it, as the reference; a split's partial is not
     (a partial product has no rounding of the reference to match)."""
+    pdl_start(USE_PDL)  # the expert ids and act come from the kernels before
     p = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -580,13 +587,15 @@ def fused_moe_partials(
     topk_ids: torch.Tensor,
     configs: tuple[MoEConfig, MoEConfig] | None = None,
     path: str | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """The terms of `fused_moe_reference`'s sum, unsummed: fp32 planes [P, T, H] (dense), plane
     j*S + s holding slot j's weighted down product (split s of its depth; S = the down config's
     split_k on the decode path, else 1), so that adding the planes in order and rounding once
     gives `fused_moe` bit for bit. Two launches (decode path) or the device-side align plus two
     (grouped path), no host synchronisation. `configs` and `path` ("decode" | "grouped")
-    override the table and the T*k rule (the tuning script and the tests use them)."""
+    override the table and the T*k rule (the tuning script and the tests use them). The
+    decode path launches under PDL where `pdl` and the GPU allow (launch.py)."""
     _check_device(hidden, "fused_moe")
     _check_args(hidden, w13, w2, topk_weights, topk_ids)
     if hidden.stride(1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
@@ -611,13 +620,14 @@ def fused_moe_partials(
         _decode_gate_up_kernel[(pairs, triton.cdiv(inter, cfg13.block_n))](
             hidden, w13, act, ids, H, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             K=k, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
+            **launch_options(hidden.device, pdl),
         )  # fmt: skip
         # Each split covers a whole number of BLOCK_K steps.
         k_split = triton.cdiv(triton.cdiv(inter, split), cfg2.block_k) * cfg2.block_k
         _decode_down_kernel[(pairs, triton.cdiv(H, cfg2.block_n), split)](
             act, w2, planes, ids, weights, H, inter, k_split, split, act.stride(0), w2.stride(0), w2.stride(1),
             T * H, K=k, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, ROUND=split == 1,
-            num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+            num_warps=cfg2.num_warps, num_stages=cfg2.num_stages, **launch_options(hidden.device, pdl),
         )  # fmt: skip
         return planes
     f32 = hidden.dtype == torch.float32 or INTERPRET  # see _dot
@@ -649,15 +659,16 @@ def fused_moe(
     configs: tuple[MoEConfig, MoEConfig] | None = None,
     path: str | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """As `fused_moe_reference` ([T, H] in hidden's dtype, into `out` when given: a TP rank's
     reduce slot), in Triton: `fused_moe_partials`' planes added in plane order in fp32 and
     rounded once, as the reference rounds its fp32 sum once."""
-    planes = fused_moe_partials(hidden, w13, w2, topk_weights, topk_ids, configs, path)
+    planes = fused_moe_partials(hidden, w13, w2, topk_weights, topk_ids, configs, path, pdl)
     if out is None:
         out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     elif out.shape != hidden.shape or out.stride(1) != 1:
         raise ValueError(
             f"fused_moe: out {tuple(out.shape)} must be [T, H] = {tuple(hidden.shape)} with a dense last dim"
         )
-    return sum_planes(planes, out)
+    return sum_planes(planes, out, pdl)

@@ -153,12 +153,13 @@ class SparseMoE(_SwitchedLayer):
         logits = linear(x, self.gate.weight, switches=switches)
         w13, w2 = self.experts.w13, self.experts.w2
         if x.is_cuda and switches.triton_ops:  # the fused Triton kernels: no host sync, graph-safe
-            weights, ids = moe_kernels.route(logits, self.top_k, self.renormalize)
+            pdl = switches.pdl
+            weights, ids = moe_kernels.route(logits, self.top_k, self.renormalize, pdl=pdl)
             if self.shared_expert is None:
                 if self.tp.size == 1 and switches.split_sum_in_norm:  # the next norm adds the terms
-                    return SplitKPartials(moe_kernels.fused_moe_partials(x, w13, w2, weights, ids))
-                return moe_kernels.fused_moe(x, w13, w2, weights, ids, out=self._reduce_slot(x))
-            out = moe_kernels.fused_moe(x, w13, w2, weights, ids)
+                    return SplitKPartials(moe_kernels.fused_moe_partials(x, w13, w2, weights, ids, pdl=pdl))
+                return moe_kernels.fused_moe(x, w13, w2, weights, ids, out=self._reduce_slot(x), pdl=pdl)
+            out = moe_kernels.fused_moe(x, w13, w2, weights, ids, pdl=pdl)
         else:  # slow twins: the loop over chosen experts on CPU, the graph-safe every-expert sum on CUDA
             weights, ids = moe_kernels.route_reference(logits, self.top_k, self.renormalize)
             out = (_moe_every_expert if x.is_cuda else moe_kernels.fused_moe_reference)(x, w13, w2, weights, ids)
