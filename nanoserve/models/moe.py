@@ -46,6 +46,13 @@ from nanoserve.models.model_config import ModelConfig
 
 MLP_REDUCE_SLOT = 1  # the symmetric-memory slot a dense MLP's down projection writes (decoder.MLP)
 
+# The fused MoE kernels launch under PDL (KernelSwitches.pdl) where that was measured faster:
+# experts (this rank's slice) up to MOE_PDL_MAX_INTER wide. H200, 2026-11-27 (RESULTS.md):
+# qwen3-30b-a3b (I = 768) batch-1 TPOT 2.891 -> 2.764 ms on one machine; mixtral-8x7b
+# (I = 14336) 7.033 ms with it against 6.965-6.966 without on two others, so wide experts
+# launch without it.
+MOE_PDL_MAX_INTER = 4096
+
 
 def _moe_every_expert(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -153,7 +160,7 @@ class SparseMoE(_SwitchedLayer):
         logits = linear(x, self.gate.weight, switches=switches)
         w13, w2 = self.experts.w13, self.experts.w2
         if x.is_cuda and switches.triton_ops:  # the fused Triton kernels: no host sync, graph-safe
-            pdl = switches.pdl
+            pdl = switches.pdl and self.experts.shard <= MOE_PDL_MAX_INTER
             weights, ids = moe_kernels.route(logits, self.top_k, self.renormalize, pdl=pdl)
             if self.shared_expert is None:
                 if self.tp.size == 1 and switches.split_sum_in_norm:  # the next norm adds the terms
