@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nanoserve.kernels import moe
 from nanoserve.kernels.activation import silu_and_mul
+from nanoserve.models.moe import MOE_PDL_MAX_INTER
 
 MODELS = {
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -106,9 +107,10 @@ class Layers:
         self.logits = [torch.randn(T, E, generator=gen, device="cuda") for _ in range(n)]
 
     def fused(self, configs=None, path=None):
+        pdl = self.w2[0].shape[2] <= MOE_PDL_MAX_INTER  # as the engine's MoE block launches them
         for w13, w2, logits in zip(self.w13, self.w2, self.logits):
-            w, ids = moe.route(logits, self.k, True)
-            moe.fused_moe_partials(self.hidden, w13, w2, w, ids, configs=configs, path=path)
+            w, ids = moe.route(logits, self.k, True, pdl=pdl)
+            moe.fused_moe_partials(self.hidden, w13, w2, w, ids, configs=configs, path=path, pdl=pdl)
 
     def reference(self):
         w, ids = moe.route_reference(self.logits[0], self.k, True)
@@ -196,7 +198,9 @@ def _compile_worker(name: str, jobs: list[tuple[str, moe.MoEConfig, moe.MoEConfi
         hidden = torch.randn(T, H, device="cuda").to(DT)
         w, ids = moe.route_reference(torch.randn(T, E, device="cuda"), k, True)
         try:
-            moe.fused_moe_partials(hidden, w13, w2, w, ids, configs=(c13, c2), path=path)
+            moe.fused_moe_partials(
+                hidden, w13, w2, w, ids, configs=(c13, c2), path=path, pdl=inter <= MOE_PDL_MAX_INTER
+            )
         except OutOfResources:
             failed += 1
     torch.cuda.synchronize()
