@@ -224,17 +224,13 @@ def tuning_jobs(name: str, tokens: list[int]) -> list[tuple[str, moe.MoEConfig, 
     for T in tokens:
         for path in paths_for(T, k, E):
             fb13, fb2 = moe.get_configs(H, inter, E, T, k, path)
-            options = decode_candidates() if path == "decode" else grouped_candidates(T, k, E)
-            jobs |= {(path, c, fb2) for c in options} | {(path, fb13, c) for c in options}
-            if path == "grouped":
-                jobs |= {(path, v, fb2) for c in options if c.block_m >= 64 for v in grouped_variants(c, T, k, E)}
-                jobs |= {(path, fb13, v) for c in options if c.block_m >= 64 for v in grouped_variants(c, T, k, E)}
-            if path == "decode":
-                jobs |= {
-                    (path, fb13, moe.MoEConfig(1, c.block_n, c.block_k, c.num_warps, c.num_stages, s))
-                    for c in options
-                    for s in SPLITS[:1]
-                }
+            if path == "decode":  # one split compiles the split variant of every down config
+                ups = decode_candidates()
+                downs = ups + [dataclasses.replace(c, split_k=SPLITS[0]) for c in ups]
+            else:
+                ups = grouped_candidates(T, k, E)
+                ups = downs = ups + [v for c in ups if c.block_m >= 64 for v in grouped_variants(c, T, k, E)]
+            jobs |= {(path, c, fb2) for c in ups} | {(path, fb13, c) for c in downs}
     return sorted(jobs, key=repr)
 
 
@@ -260,10 +256,7 @@ def tune(name: str, T: int, n_layers: int) -> None:
             options = [c for c in options if c.block_m == best13.block_m]
         ranked = sorted(options, key=lambda c: timed((best13, c), path))
         if path == "decode":  # depth splits of the best few down configs
-            split = [
-                moe.MoEConfig(1, c.block_n, c.block_k, c.num_warps, c.num_stages, s) for c in ranked[:6] for s in SPLITS
-            ]
-            ranked = [ranked[0], *split]
+            ranked = [ranked[0], *(dataclasses.replace(c, split_k=s) for c in ranked[:6] for s in SPLITS)]
         best2 = min(ranked, key=lambda c: timed((best13, c), path))
         if path == "grouped":  # block groups for the best of each GEMM
             best13 = min([best13, *grouped_variants(best13, T, k, E)], key=lambda c: timed((c, best2), path))

@@ -468,20 +468,26 @@ def _sum_splits_kernel(
     tl.store(y_ptr + row * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _sum_launch(planes: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, launch: dict) -> tuple:
+    """The launch of `_sum_splits_kernel` adding the fp32 planes [S, M, N] (dense) into out."""
+    S, M, N = planes.shape
+    block = min(SUM_BLOCK, triton.next_power_of_2(N))
+    b = bias if bias is not None else planes  # never read without HAS_BIAS
+    options = {"HAS_BIAS": bias is not None, "SPLIT_K": S, "BLOCK": block, "num_warps": 4, **launch}
+    return _sum_splits_kernel, (triton.cdiv(N, block), M), (planes, b, out, M, N, out.stride(0)), options
+
+
 def sum_planes(planes: torch.Tensor, out: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """out [M, N] = the fp32 planes [S, M, N] (dense) added in plane order and rounded once to
     out's dtype: the split-K sum, for products that leave their terms in planes (the MoE's)."""
-    S, M, N = planes.shape
+    M, N = planes.shape[1:]
     if not planes.is_contiguous() or planes.dtype != torch.float32 or out.shape != (M, N) or out.stride(1) != 1:
         raise ValueError(
             f"sum_planes needs dense fp32 planes [S, M, N] and out [M, N], got {tuple(planes.shape)}, {tuple(out.shape)}"
         )
     if M and N:
-        block = min(SUM_BLOCK, triton.next_power_of_2(N))
-        _sum_splits_kernel[(triton.cdiv(N, block), M)](
-            planes, planes, out, M, N, out.stride(0),
-            HAS_BIAS=False, SPLIT_K=S, BLOCK=block, num_warps=4, **launch_options(out.device, pdl),
-        )  # fmt: skip
+        kernel, grid, args, options = _sum_launch(planes, None, out, launch_options(out.device, pdl))
+        kernel[grid](*args, **options)
     return out
 
 
@@ -634,13 +640,7 @@ def _split_launches(kernel, grid, x, weight, bias, out, s, stride_s, k_split, sp
         return [(kernel, grid, args, {"HAS_BIAS": bias is not None, **options})]
     ws = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
     args = (x, weight, b, ws, s, M, N, K, k_split, x.stride(0), weight.stride(0), N, stride_s)
-    block = min(SUM_BLOCK, triton.next_power_of_2(N))
-    sum_args = (ws, b, out, M, N, out.stride(0))
-    sum_options = {"HAS_BIAS": bias is not None, "SPLIT_K": split_k, "BLOCK": block, "num_warps": 4, **launch}
-    return [
-        (kernel, grid, args, {"HAS_BIAS": False, **options}),
-        (_sum_splits_kernel, (triton.cdiv(N, block), M), sum_args, sum_options),
-    ]
+    return [(kernel, grid, args, {"HAS_BIAS": False, **options}), _sum_launch(ws, bias, out, launch)]
 
 
 def _fp8_launches(x, weight, bias, c, out, s, stride_s, block_scale, common, launch, grid) -> list[tuple]:

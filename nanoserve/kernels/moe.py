@@ -608,7 +608,7 @@ def fused_moe_partials(
     if path not in (None, "decode", "grouped"):
         raise ValueError(f"fused_moe: path {path!r} is not 'decode' or 'grouped'")
     cfg13, cfg2 = configs or (_for_dtype(c, hidden.dtype) for c in get_configs(H, inter, E, T, k, path))
-    path = path or ("decode" if cfg13.block_m == 1 else "grouped")
+    path = path or _path_of((cfg13, cfg2))
     split = cfg2.split_k if path == "decode" else 1
     planes = torch.empty(k * split, T, H, dtype=torch.float32, device=hidden.device)
     if T == 0:
