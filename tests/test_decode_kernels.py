@@ -182,6 +182,22 @@ def test_linear_rule_declines_what_it_cannot_run():
     assert linear_config(64, 1024, 2056, torch.bfloat16) is None  # K not a whole number of split blocks
 
 
+def test_gemv_rule_pipelines_only_loops_of_several_steps():
+    """M = 1 (bf16 and per-channel FP8): a K loop of one step is never pipelined; narrow outputs
+    (1024-2048) and vocabulary projections take the deeper loops they were measured with; below
+    1024 outputs the 2-row tiles stay."""
+    from nanoserve.kernels.linear import fp8_linear_config, linear_config
+
+    for n, k in QWEN3_SHAPES + LLAMA_SHAPES + [(5120, 2048), (2048, 4096), (128, 2048), (49152, 576)]:
+        for c in (linear_config(1, n, k, torch.bfloat16), fp8_linear_config(1, n, k, torch.bfloat16)):
+            assert c.kernel == "fma" and c.block_m == 1, (n, k, c)
+            assert c.num_stages == 1 or k > c.block_k, (n, k, c)
+    assert linear_config(1, 2048, 4096, torch.bfloat16).num_stages == 6  # qwen3-30b-a3b o_proj
+    assert linear_config(1, 128, 2048, torch.bfloat16).block_n == 2  # its router
+    assert linear_config(1, 128256, 4096, torch.bfloat16).block_n == 16  # llama's LM head
+    assert linear_config(1, 6144, 4096, torch.bfloat16).num_stages == 3
+
+
 def test_linear_rule_above_eight_rows():
     """M = 9..256: split-K only on the narrow matrices it was measured faster on (qwen3 o_proj,
     down), the dot kernel on qwen3's LM head up to 32 rows, cuBLAS for the rest and for every
@@ -385,6 +401,31 @@ def test_gpu_every_rule_config_and_both_kernels():
     for j, (config, (m, n, k)) in enumerate(configs.items()):
         for M in sorted({1, m, m + 1}):  # a 1-row config on M > 1 runs a program per row
             check_linear(M, n, k, torch.bfloat16, "cuda", config, bias=True, tol=1e-2, seed=100 + j)
+
+
+@gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_gemv_pipelined_loop_bit_equal(fp8):
+    """A pipelined K loop (num_stages > 1: loads moved ahead through shared memory) computes the
+    same products in the same order as the plain loop: bit-equal outputs, bf16 and per-channel
+    FP8 weights, for whole and ragged last K steps and a loop of one step."""
+    from nanoserve.kernels import linear as klinear
+    from nanoserve.models.quantization import quantize_per_channel
+
+    for j, (n, k, bn, bk) in enumerate(
+        [(6144, 4096, 4, 1024), (2048, 4096, 4, 1024), (4099, 1000, 8, 256), (1024, 1024, 4, 1024)]
+    ):
+        gen = torch.Generator(device="cuda").manual_seed(j)
+        x = torch.randn(1, k, generator=gen, device="cuda").bfloat16()
+        w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).bfloat16()
+        w, s = quantize_per_channel(w) if fp8 else (w, None)
+        outs = [
+            klinear.small_m_linear(x, w, None, klinear.LinearConfig("fma", 1, bn, bk, 2, stages), w_scale=s)
+            for stages in (1, 3, 6)
+        ]
+        ref = x.float() @ (w.float() * s[:, None] if fp8 else w.float()).t()
+        assert rel_err(outs[0], ref) < 1e-2
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), (n, k)
 
 
 @gpu

@@ -16,8 +16,8 @@ M; these kernels stream W once with wide loads:
   `reduce_late`, `bit_cvt`, `prefetch`, `split_k`); `x_fp8` rounds x to e4m3 per (row, K
   step) for FP8 tensor-core products instead (cuBLASLt's precision class, not exact in x).
 `linear_config(M, N, K, dtype)` is the rule: a config, or None where cuBLAS is as fast;
-`fp8_linear_config` the FP8 weights' (the "fp8" kernel's `x_fp8` configs at M = 2..8 with
-per-channel scales, else the bf16 rule).
+`fp8_linear_config` the FP8 weights' (with per-channel scales: the fma GEMV's FP8 tiles at
+M = 1, the "fp8" kernel's `x_fp8` configs at M = 2..8; else the bf16 rule).
 `linear_reference` is the torch reference the tests compare with.
 
 Invariants:
@@ -62,12 +62,12 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 @dataclass(frozen=True)
 class LinearConfig:
-    kernel: str  # "fma" or "dot"
+    kernel: str  # "fma", "dot" or "fp8"
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
-    num_stages: int = 1
+    num_stages: int = 1  # software pipelining of the K loop (1: none); "fma" and "fp8" loops name it themselves
     split_k: int = 1  # "dot" and "fp8": programs along K, their fp32 partials summed by a second kernel
     # "fp8" only (FP8 weights, `_fp8_decode_kernel`'s variants):
     mma: bool = False  # tensor-core products W tile x x^T (rows padded to block_m >= 16); else CUDA-core FMAs
@@ -95,10 +95,14 @@ def _linear_fma_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
     push_addrs, epoch_ptr, rank,
     W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, LINE: tl.constexpr, PUSH_WORLD: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, LINE: tl.constexpr, PUSH_WORLD: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """PUSH_WORLD > 0 (one row, 2-byte y): each program also stores its outputs into every
-    peer's LL receive buffer (`_ll_push_row`), so the sum's kernel does not send them."""
+    peer's LL receive buffer (`_ll_push_row`), so the sum's kernel does not send them.
+    LOOP_STAGES > 1: the K loop's loads are software-pipelined (cp.async into shared memory,
+    LOOP_STAGES - 1 steps ahead): bytes in flight without holding registers. Triton pipelines a
+    loop without a dot only when the loop itself names its stages."""
     rm, rn, rk = _tile_ranges(BLOCK_M, BLOCK_N, BLOCK_K)
     # Rows past M or N re-read the last valid row (results never stored): loads stay unmasked
     # along M and N, so full tiles keep 16-byte vector loads.
@@ -117,7 +121,7 @@ def _linear_fma_kernel(
         lines = tl.minimum(tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)  # within the rows
         _prefetch_l2(w_ptr + rn_in[:, None] * stride_wn + lines[None, :])
         pdl_start(USE_PDL)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         if EVEN_K:
             x = tl.load(x_ptrs).to(tl.float32)
             w = tl.load(w_ptrs).to(tl.float32)
@@ -274,7 +278,7 @@ def _fp8_decode_kernel(
     W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, MMA: tl.constexpr, BITS: tl.constexpr,
     REDUCE_LATE: tl.constexpr, PREFETCH: tl.constexpr, X_FP8: tl.constexpr, UPCAST: tl.constexpr,
-    LINE: tl.constexpr, USE_PDL: tl.constexpr,
+    LINE: tl.constexpr, LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """FP8 weights, few rows. Program (n, m, s): outputs rn of rows rm over K[s * K_SPLIT,
     (s + 1) * K_SPLIT) (as `_linear_dot_kernel`: K_SPLIT a multiple of BLOCK_K, and of 128 under
@@ -334,7 +338,7 @@ def _fp8_decode_kernel(
         x_next = tl.load(x_ptrs, mask=x_rows & (rk < K)[None, :], other=0.0)
     elif PREFETCH and REDUCE_LATE:
         x_next = tl.load(x_ptrs, mask=(rk < K)[None, :], other=0.0)
-    for k0 in range(0, K_SPLIT, BLOCK_K):
+    for k0 in tl.range(0, K_SPLIT, BLOCK_K, num_stages=LOOP_STAGES):
         k_mask = (k0 + rk) < K
         if PREFETCH:
             w = w_next
@@ -617,6 +621,7 @@ def _linear_launches(
             "EVEN_K": K % c.block_k == 0,
             "LINE": line,
             "PUSH_WORLD": world,
+            "LOOP_STAGES": c.num_stages,
         }
         options.update(common)
         return [(_linear_fma_kernel, grid[:2], args, options)]
@@ -670,6 +675,7 @@ def _fp8_launches(x, weight, bias, c, out, s, stride_s, block_scale, common, lau
         "X_FP8": c.x_fp8,
         "UPCAST": DOT_F32,
         "LINE": min(c.block_k, 128),  # FP8: one element per byte, 128 per L2 line
+        "LOOP_STAGES": c.num_stages,  # the loop names its stages: pipelined with or without a dot
         **common,
     }
     return _split_launches(
@@ -756,9 +762,7 @@ def _choose(M: int, N: int, K: int, dtype: torch.dtype) -> LinearConfig | None:
 def _choose_few_rows(M: int, N: int, K: int) -> LinearConfig | None:
     """M = 1..8 (see the rule above)."""
     if M == 1:
-        if N <= 2048:
-            return LinearConfig("fma", 1, 2, min(2048, triton.next_power_of_2(K)), num_warps=8)
-        return LinearConfig("fma", 1, 4, min(1024, triton.next_power_of_2(K)), num_warps=2)
+        return _choose_gemv(N, K)
     if M <= 4 and N * K <= 2**21:
         return LinearConfig("fma", triton.next_power_of_2(M), 2, 512, num_warps=4)
     if N >= 65536:
@@ -766,11 +770,47 @@ def _choose_few_rows(M: int, N: int, K: int) -> LinearConfig | None:
     return None
 
 
+# One row (the GEMV), from `python benchmarks/probes/gemv_stages.py` on an H200 (2026-11-27,
+# RESULTS.md; bf16 and per-channel FP8 weights, llama-3.1-8b, qwen3-8b, qwen3-30b-a3b and
+# qwen3-0.6b shapes, 12 tiles x loop stages 1-6). A pipelined K loop (LOOP_STAGES: cp.async
+# into shared memory) keeps bytes in flight without registers; it pays wherever K takes more
+# than one step:
+# - bf16: 4 x 1024 tiles on 2 warps as before, 3 stages (llama-3.1-8b's four GEMVs 113.9 us
+#   per layer against 115.2; qwen3-30b-a3b's qkv 6.9 against 8.1 us); narrow outputs
+#   (1024-2048) take the same tile at 6 stages instead of 2-row tiles (qwen3-0.6b's down 3.4
+#   against 4.4 us, qwen3-30b-a3b's o_proj 5.7 against 7.3); vocabulary projections 16 x 128
+#   tiles at 6 stages (llama's LM head 234 against 244 us, qwen3-0.6b's 74 against 83).
+# - FP8 (half the bytes per element, so more steps in flight matter more): wide outputs
+#   (N >= 4K: gate_up) 8 x 256 tiles on 2 warps at 3 stages (llama 31.3 against 36.6 us, qwen3
+#   28.8 against 32.2), the rest 4 x 1024 at 3 stages (down 16.7 against 18.2): a llama-3.1-8b
+#   layer 63.7 us against 71.7.
+# Below 1024 outputs or with K in one step (K <= 1024), the rule of 2026-11-21 stands.
+def _choose_gemv(N: int, K: int) -> LinearConfig:
+    """M = 1 with bf16/fp16 weights (see the rule above)."""
+    if N >= 65536:  # vocabulary projections
+        return LinearConfig("fma", 1, 16, 128, num_warps=2, num_stages=6)
+    block_k = min(1024, triton.next_power_of_2(K))
+    if N <= 2048 and (N < 1024 or K <= 1024):
+        return LinearConfig("fma", 1, 2, min(2048, triton.next_power_of_2(K)), num_warps=8)
+    stages = 1 if K <= block_k else 6 if N <= 2048 else 3
+    return LinearConfig("fma", 1, 4, block_k, num_warps=2, num_stages=stages)
+
+
+def _choose_fp8_gemv(N: int, K: int) -> LinearConfig | None:
+    """M = 1 with per-channel FP8 weights (see the rule above), None for the bf16 rule's."""
+    if K <= 1024:
+        return None
+    if N >= 4 * K:
+        return LinearConfig("fma", 1, 8, 256, num_warps=2, num_stages=3)
+    return LinearConfig("fma", 1, 4, 1024, num_warps=2, num_stages=3)
+
+
 def fp8_linear_config(M: int, N: int, K: int, dtype: torch.dtype, block: bool = False) -> LinearConfig | None:
     """The launch config for x [M, K] times an FP8 weight [N, K]^T (block: 128x128 block scales,
     else per-channel) on CUDA, or None for cuBLASLt's FP8 GEMM (per-channel) or
-    `block_fp8_config` (block). M = 1..8: `_choose_fp8_few_rows` where it names an "fp8" kernel
-    config; otherwise the bf16 rule (`linear_config`).
+    `block_fp8_config` (block). M = 1..8: `_choose_fp8_few_rows` where it names a config (the
+    GEMV's FP8 tiles at M = 1, "fp8" kernel configs at 2..8); otherwise the bf16 rule
+    (`linear_config`).
     (benchmarks/probes/fp8_decode_sweep.py times the candidates against cuBLASLt and this rule.)"""
     if dtype in _FAST_DTYPES and 1 <= M <= 8 and K % 16 == 0:
         config = _choose_fp8_few_rows(M, N, K, block)
@@ -785,13 +825,16 @@ def fp8_linear_config(M: int, N: int, K: int, dtype: torch.dtype, block: bool = 
 # token) won every shape at every M from 2: a llama-3.1-8b layer's four GEMMs in 93-97 us,
 # against 145-148 us through cuBLASLt (smm) and 166 us in bf16. Wide outputs (qkv, gate_up)
 # take 256-wide K steps in 4 splits, the rest (o_proj, down) 128-wide steps in 8 splits.
-# At M = 1 the fma GEMV the bf16 rule picks stays faster (85.7 against 90.8 us per layer), so
-# M = 1 keeps it. Block scales are not swept yet: they keep `block_fp8_config`.
+# At M = 1 the fma GEMV stays faster (85.7 against 90.8 us per layer), with its own FP8 tiles
+# (`_choose_fp8_gemv`). Block scales are not swept yet: they keep `block_fp8_config`.
 def _choose_fp8_few_rows(M: int, N: int, K: int, block: bool) -> LinearConfig | None:
-    """M = 1..8 with FP8 weights: an "fp8" kernel config (block scales need 128 % block_k == 0),
-    or None to keep the bf16 rule's choice (see the measurements above)."""
-    if block or not 2 <= M <= 8:
+    """M = 1..8 with FP8 weights: at M = 1 the GEMV's FP8 tiles, at 2..8 an "fp8" kernel
+    config (block scales need 128 % block_k == 0), or None to keep the bf16 rule's choice (see
+    the measurements above; block scales are not swept yet)."""
+    if block or not 1 <= M <= 8:
         return None
+    if M == 1:
+        return _choose_fp8_gemv(N, K)
     if N > K and K % (4 * 256) == 0:
         return LinearConfig("fp8", 16, 64, 256, num_warps=4, num_stages=3, split_k=4, mma=True, x_fp8=True)
     if K % (8 * 128) == 0:
