@@ -149,10 +149,11 @@ def bench(name: str, T: int, n_layers: int, with_ref: bool) -> None:
 
 
 def decode_candidates() -> list[moe.MoEConfig]:
-    """Decode-path configs: tiles of at most 16k elements and 64 per thread (no spills)."""
+    """Decode-path configs: tiles of at most 16k elements and 64 per thread (no spills);
+    num_stages is the K loop's pipelining depth (1: none)."""
     return [
         moe.MoEConfig(1, bn, bk, w, s)
-        for bn, bk, w, s in itertools.product((8, 16, 32, 64), (128, 256, 512), (2, 4, 8), (2, 3, 4))
+        for bn, bk, w, s in itertools.product((8, 16, 32, 64), (128, 256, 512), (2, 4, 8), (1, 2, 3, 4))
         if bn * bk <= 16384 and bn * bk <= 64 * 32 * w
     ]
 

@@ -157,8 +157,9 @@ def route(
 class MoEConfig:
     """One shape's launch parameters. Grouped path: BLOCK_M rows (token slots of one expert)
     x BLOCK_N columns per program, BLOCK_K deep steps. Decode path: BLOCK_N output rows per
-    program, BLOCK_K deep steps; split_k > 1 (down product only) splits its depth I over that
-    many programs, each writing its own fp32 plane (more programs for a batch of one).
+    program, BLOCK_K deep steps, num_stages the K loop's pipelining depth (1: none); split_k > 1
+    (down product only) splits its depth I over that many programs, each writing its own fp32
+    plane (more programs for a batch of one).
     Grouped path: group_m > 0 sorted blocks sweep the column blocks together (their rows stay
     in L2 while the weights stream; large T), 0 every sorted block in turn per column block.
     Measured in bf16: an fp32 run reads tiles of the same bytes (`_for_dtype`)."""
@@ -181,10 +182,12 @@ TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
     # H200, 2026-11-26 (at 063d661; entries with group_m at 5ddca2a, where groups at 1024 and
     # 4096 tokens did not beat the kept entries beyond the runs' +-4% noise): route +
     # fused_moe_partials per layer; "was" is the previous entry or the fallback. qwen3-30b-a3b:
-    (2048, 768, 128, 1): (MoEConfig(1, 8, 512, 2, 3), MoEConfig(1, 16, 128, 8, 3)),  # 28.4 us (was 31.1)
-    (2048, 768, 128, 2): (MoEConfig(1, 8, 512, 2, 2), MoEConfig(1, 16, 128, 8, 4)),  # 47.2 us (was 61.2)
-    (2048, 768, 128, 4): (MoEConfig(1, 8, 512, 2, 3), MoEConfig(1, 32, 128, 8, 3, 2)),  # 81.2 us (was 99.3)
-    (2048, 768, 128, 8): (MoEConfig(1, 8, 512, 2, 2), MoEConfig(1, 32, 128, 8, 2)),  # 132.6 us (was 158.2)
+    # Decode-path entries (block_m 1) re-measured on 2026-11-27 with pipelined loops (num_stages
+    # is the K loop's depth there; "was" is the 2026-11-26 entry run with pipelined loops):
+    (2048, 768, 128, 1): (MoEConfig(1, 8, 256, 8, 2), MoEConfig(1, 16, 256, 4, 2, 2)),  # 26.9 us (was 27.8)
+    (2048, 768, 128, 2): (MoEConfig(1, 8, 512, 2, 1), MoEConfig(1, 16, 256, 2, 2, 2)),  # 44.7 us (was 52.1)
+    (2048, 768, 128, 4): (MoEConfig(1, 16, 128, 2, 4), MoEConfig(1, 16, 256, 2, 2, 2)),  # 78.6 us (was 89.3)
+    (2048, 768, 128, 8): (MoEConfig(1, 8, 256, 4, 2), MoEConfig(1, 32, 256, 4, 2, 2)),  # 129.5 us (was 147.9)
     (2048, 768, 128, 16): (MoEConfig(16, 128, 128, 4, 3), MoEConfig(16, 64, 128, 4, 4)),  # 246.2 us (was 253.4)
     (2048, 768, 128, 32): (MoEConfig(16, 64, 128, 4, 4), MoEConfig(16, 64, 128, 4, 3)),  # 327.3 us (was 332.6)
     (2048, 768, 128, 64): (MoEConfig(16, 128, 128, 4, 3), MoEConfig(16, 64, 128, 4, 4)),  # 367.6 us (was 370.8)
@@ -200,9 +203,9 @@ TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
         MoEConfig(128, 128, 64, 8, 3, group_m=4),
     ),  # 1565.2 us (was 1726.9)
     # mixtral-8x7b (from 8 tokens on the grouped path wins: the decode one reads an expert per pair):
-    (4096, 14336, 8, 1): (MoEConfig(1, 8, 512, 4, 2), MoEConfig(1, 8, 256, 4, 2, 8)),  # 176.0 us (was 215.5)
-    (4096, 14336, 8, 2): (MoEConfig(1, 8, 512, 4, 4), MoEConfig(1, 32, 128, 8, 3, 4)),  # 326.4 us (was 395.5)
-    (4096, 14336, 8, 4): (MoEConfig(1, 8, 512, 2, 4), MoEConfig(1, 8, 256, 4, 4, 8)),  # 479.0 us (was 583.7)
+    (4096, 14336, 8, 1): (MoEConfig(1, 8, 256, 2, 2), MoEConfig(1, 16, 256, 4, 3)),  # 170.9 us (was 176.4)
+    (4096, 14336, 8, 2): (MoEConfig(1, 8, 512, 8, 3), MoEConfig(1, 8, 256, 4, 2, 4)),  # 326.2 us (was 367.1)
+    (4096, 14336, 8, 4): (MoEConfig(1, 8, 256, 2, 2), MoEConfig(1, 16, 256, 2, 2, 4)),  # 456.7 us (was 475.4)
     (4096, 14336, 8, 8): (MoEConfig(16, 128, 128, 4, 3), MoEConfig(16, 64, 64, 4, 3)),  # 614.1 us (was 898.5)
     (4096, 14336, 8, 16): (MoEConfig(16, 128, 128, 8, 3), MoEConfig(16, 128, 128, 4, 4)),  # 686.5 us (was 1568.4)
     (4096, 14336, 8, 32): (MoEConfig(16, 128, 128, 8, 3), MoEConfig(16, 128, 128, 8, 4)),  # 693.9 us (was 2917.6)
@@ -218,9 +221,10 @@ TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
         MoEConfig(128, 128, 64, 8, 3, group_m=16),
         MoEConfig(128, 128, 64, 4, 3, group_m=8),
     ),  # 11523.2 us (was 12923.6)
-    # mixtral-8x7b, one rank of TP=2 (expert slices I/2 wide):
-    (4096, 7168, 8, 1): (MoEConfig(1, 8, 128, 4, 2), MoEConfig(1, 8, 256, 4, 3, 8)),  # 97.2 us (was 127.2)
-    (4096, 7168, 8, 2): (MoEConfig(1, 8, 512, 4, 2), MoEConfig(1, 32, 128, 8, 3, 4)),  # 172.9 us (was 224.6)
+    # mixtral-8x7b, one rank of TP=2 (expert slices I/2 wide; 2026-11-26, loops not pipelined:
+    # num_stages 1 keeps them as measured):
+    (4096, 7168, 8, 1): (MoEConfig(1, 8, 128, 4, 1), MoEConfig(1, 8, 256, 4, 1, 8)),  # 97.2 us (was 127.2)
+    (4096, 7168, 8, 2): (MoEConfig(1, 8, 512, 4, 1), MoEConfig(1, 32, 128, 8, 1, 4)),  # 172.9 us (was 224.6)
 }
 
 DECODE_MAX_PAIRS = 64  # untuned buckets: T*k at most this takes the decode path
@@ -505,10 +509,13 @@ def _grouped_down_kernel(
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr, w_ptr, out_ptr, ids_ptr, H, I, stride_x, stride_we, stride_wn, stride_o,
-    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (p, n): pair p = t*k + j, columns n*BLOCK_N.. of its expert's silu(gate)*up:
-    reads only that expert's rows."""
+    reads only that expert's rows. LOOP_STAGES > 1 pipelines the loop's loads (cp.async,
+    LOOP_STAGES - 1 steps ahead: Triton pipelines a loop without a dot only when the loop
+    names its stages)."""
     pdl_start(USE_PDL)  # which rows to read comes from the route kernel
     p = tl.program_id(0).to(tl.int64)
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -521,7 +528,7 @@ def _decode_gate_up_kernel(
     x_ptrs = x_ptr + token * stride_x + ks
     gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=LOOP_STAGES):
         k_ok = ks < H - k0
         x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         wg = tl.load(g_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
@@ -542,13 +549,14 @@ def _decode_gate_up_kernel(
 def _decode_down_kernel(
     a_ptr, w_ptr, planes_ptr, ids_ptr, topk_w_ptr, H, I, k_split, split_k, stride_a, stride_we, stride_wn,
     stride_plane, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (p, n, s), pair p = t*k + j: columns n*BLOCK_N.. of act[p] W_down^T over the
     depth [s*k_split, (s+1)*k_split) of p's expert, times topk_weight[p], into plane j*split_k + s
     at row t (planes [k*split_k, T, H], rows H apart). ROUND (unsplit): the product is rounded
     to the dtype before the weight multiplies it, as the reference; a split's partial is not
-    (a partial product has no rounding of the reference to match)."""
+    (a partial product has no rounding of the reference to match). LOOP_STAGES as the gate_up
+    kernel's."""
     pdl_start(USE_PDL)  # the expert ids and act come from the kernels before
     p = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
@@ -561,7 +569,7 @@ def _decode_down_kernel(
     w_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + k_start + ks[None, :]
     a_ptrs = a_ptr + p * stride_a + k_start + ks
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
         k_ok = ks < k_end - k0
         a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
@@ -619,14 +627,14 @@ def fused_moe_partials(
     if path == "decode":
         _decode_gate_up_kernel[(pairs, triton.cdiv(inter, cfg13.block_n))](
             hidden, w13, act, ids, H, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            K=k, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
-            **launch_options(hidden.device, pdl),
+            K=k, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, LOOP_STAGES=cfg13.num_stages,
+            num_warps=cfg13.num_warps, num_stages=cfg13.num_stages, **launch_options(hidden.device, pdl),
         )  # fmt: skip
         # Each split covers a whole number of BLOCK_K steps.
         k_split = triton.cdiv(triton.cdiv(inter, split), cfg2.block_k) * cfg2.block_k
         _decode_down_kernel[(pairs, triton.cdiv(H, cfg2.block_n), split)](
             act, w2, planes, ids, weights, H, inter, k_split, split, act.stride(0), w2.stride(0), w2.stride(1),
-            T * H, K=k, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, ROUND=split == 1,
+            T * H, K=k, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, ROUND=split == 1, LOOP_STAGES=cfg2.num_stages,
             num_warps=cfg2.num_warps, num_stages=cfg2.num_stages, **launch_options(hidden.device, pdl),
         )  # fmt: skip
         return planes
