@@ -171,38 +171,6 @@ def test_interp_decode_gqa3_splits(page_size):
     check(case, tol=2e-3)  # fp32 products on CPU: far under bf16's bar
 
 
-def check_merge_last(case: Case, num_splits: int, tol: float) -> None:
-    """paged_decode with the split programs merging (counters) against the same splits merged
-    by the reduce kernel (the slow twin): equal within `tol` (the sums run in another order),
-    bit-equal between repeat calls, and the counters back at 0 after each call."""
-    from nanoserve.kernels import attention as tk
-
-    q, meta = case.q, case.meta
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = case.k_cache.shape[2]
-    tk.store_kv(case.k_cache, case.v_cache, case.k, case.v, meta.slot_mapping)
-    ws = torch.empty(tk.workspace_numel(batch, num_q_heads, head_dim, num_splits), device=q.device)
-    counters = torch.zeros(batch * num_kv_heads + 3, dtype=torch.int32, device=q.device)
-    args = (q, case.k_cache, case.v_cache, meta.page_table, meta.seq_lens, case.scale, num_splits, ws)
-    twin = tk.paged_decode(*args, torch.full_like(q, float("nan")))
-    outs = [tk.paged_decode(*args, torch.full_like(q, float("nan")), counters=counters) for _ in range(2)]
-    assert not torch.isnan(outs[0]).any(), "unwritten output row"
-    assert not outs[0][meta.seq_lens == 0].any(), "an empty request's row is not zeros"
-    assert rel_err(outs[0], twin) < tol
-    assert torch.equal(outs[0], outs[1])
-    assert not counters.any(), "a counter left non-zero"
-
-
-@interp
-@pytest.mark.parametrize("num_splits", [2, 5])
-def test_interp_decode_last_split_merges(num_splits):
-    # ragged lengths: some requests fill every split, some one (the rest empty); one is made
-    # empty (length 0, as a graph's padding rows): both merges write zeros for it
-    case = make_case([(n - 1, 1) for n in (80, 1, 37, 9, 64)], 6, 2, 32, 4, torch.float32, "cpu", 4, decode=True)
-    case.meta.seq_lens[3] = 0
-    check_merge_last(case, num_splits, tol=1e-6)
-
-
 @interp
 def test_interp_decode_bf16_one_split():
     from nanoserve.attention.triton_backend import TritonAttentionBackend
@@ -311,17 +279,6 @@ def test_decode(shape):
     seed = rng.randrange(1 << 30)
     case = make_case([(n - 1, 1) for n in lens], hq, hkv, d, page, torch.bfloat16, "cuda", seed=seed, decode=True)
     check(case, tol=1e-2)
-
-
-@gpu
-@pytest.mark.parametrize("shape", DECODE_SHAPES[:7], ids=lambda s: "b{}-ctx{}-h{}/{}-d{}-p{}".format(*s))
-@pytest.mark.parametrize("num_splits", [2, 32])
-def test_decode_last_split_merges(shape, num_splits):
-    batch, max_ctx, hq, hkv, d, page = shape
-    rng = random.Random(hash(shape) & 0xFFFF)
-    lens = ragged(rng, batch, 1, max_ctx)
-    case = make_case([(n - 1, 1) for n in lens], hq, hkv, d, page, torch.bfloat16, "cuda", seed=num_splits, decode=True)
-    check_merge_last(case, num_splits, tol=1e-2)
 
 
 @gpu

@@ -8,8 +8,7 @@ its decode rows through the decode kernel, its prompt rows through extend (or FA
 Invariants:
 - `prepare(meta)` reads host ints only (batch size, max lengths, whether any prefix exists)
   and must be called once per batch before the layers' `forward`s;
-- the decode path (store + split kernel, whose last program per (request, kv head) merges
-  the splits; a reduce kernel under cascade) does no host sync and allocates nothing
+- the decode path (store + split kernel + reduce) does no host sync and allocates nothing
   whose size depends on data: its grid is (B, num_kv_heads, num_splits), num_splits comes from
   host ints in `prepare`, and the workspace grows only with that shape. For CUDA graphs, call
   `reserve_decode_workspace` for the largest captured batch before capturing, and capture
@@ -52,7 +51,6 @@ class TritonAttentionBackend(AttentionBackend):
         self.max_splits = max_splits
         self.use_fa2 = use_fa2
         self._workspace: torch.Tensor | None = None
-        self._counters: torch.Tensor | None = None  # the split programs' tickets (kernels leave them 0)
         self._num_sms: dict[torch.device, int] = {}
         self._num_splits = 1
         self._no_prefix = False
@@ -102,7 +100,6 @@ class TritonAttentionBackend(AttentionBackend):
             if cols > 1:
                 worst = max(worst, tk.workspace_numel(batch, num_q_heads, head_dim, cols))
         self._get_workspace(worst, torch.device(device))
-        self._get_counters(max_batch * num_kv_heads, torch.device(device))
 
     @staticmethod
     def decode_num_cols(num_splits: int, cascade: bool) -> int:
@@ -125,13 +122,6 @@ class TritonAttentionBackend(AttentionBackend):
             ws = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
             self._workspace = ws
         return ws
-
-    def _get_counters(self, numel: int, device: torch.device) -> torch.Tensor:
-        counters = self._counters
-        if counters is None or counters.numel() < numel or counters.device != device:
-            counters = torch.zeros(max(numel, 1), dtype=torch.int32, device=device)
-            self._counters = counters
-        return counters
 
     # ------------------------------------------------------------------------- forward
 
@@ -166,10 +156,9 @@ class TritonAttentionBackend(AttentionBackend):
             num_kv_heads = k_cache.shape[2]
             splits = self.decode_num_splits(batch, num_kv_heads, meta.max_seq_len, q.device)
             cols = self.decode_num_cols(splits, meta.cascade is not None)
-            ws = counters = None
+            ws = None
             if cols > 1:
                 ws = self._get_workspace(tk.workspace_numel(batch, num_q_heads, head_dim, cols), q.device)
-                counters = self._get_counters(batch * num_kv_heads, q.device)
             return tk.paged_decode(
                 q,
                 k_cache,
@@ -183,7 +172,6 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.cascade,
                 heads_first=self.switches.decode_heads_first,
                 pdl=self.switches.pdl,
-                counters=counters,
             )
         return tk.paged_extend(
             q,

@@ -391,7 +391,6 @@ def _decode_split_kernel(
     out_ptr,
     part_ptr,
     lse_ptr,
-    count_ptr,
     stride_qt,
     stride_qh,
     stride_kc_slot,
@@ -412,13 +411,10 @@ def _decode_split_kernel(
     MIN_SPLIT: tl.constexpr,
     DIRECT: tl.constexpr,
     HAS_START: tl.constexpr,
-    MERGE_LAST: tl.constexpr,
     DOT_F32: tl.constexpr,
     USE_PDL: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
 ):
-    """MERGE_LAST (splits, no cascade): the last of a (request, kv head)'s split programs to
-    finish merges their partial results itself (`_merge_if_last`), instead of a reduce kernel."""
     pdl_start(USE_PDL)  # launched early (nanoserve/triton_pdl.py): wait before reading anything
 
     # One program = one (request, kv head, split): the GROUP query heads sharing the kv head
@@ -456,14 +452,6 @@ def _decode_split_kernel(
         # are this kernel's, the rest the cascade prefix kernel's
         row = (b64 * NUM_Q_HEADS + heads) * num_cols + split
         _store_partial(part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, store_mask, HEAD_DIM)
-        if MERGE_LAST:
-            rows = (b64 * NUM_Q_HEADS + heads) * num_cols  # each head's column 0
-            active = tl.cdiv(seq_len, split_len)
-            _merge_if_last(
-                part_ptr, lse_ptr, count_ptr + b64 * (NUM_Q_HEADS // GROUP) + kvh, num_splits, active, rows,
-                out_ptr + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :], row_mask, store_mask, d,
-                BLOCK_H, BLOCK_D, HEAD_DIM,
-            )  # fmt: skip
 
 
 @triton.jit
@@ -472,46 +460,6 @@ def _store_partial(part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, store_mas
     tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=store_mask)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
     tl.store(lse_ptr + row, lse, mask=row_mask)
-
-
-@triton.jit
-def _merge_if_last(
-    part_ptr, lse_ptr, count_ptr, num_splits, active, rows, out_ptrs, row_mask, store_mask, d,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
-    """Called by every split program of one (request, kv head) after it stored its partial
-    rows: each takes a ticket from the pair's counter; the last one merges the `active`
-    splits' partials of the group's heads (rows: each head's column 0) as the reduce kernel
-    does, stores them at `out_ptrs` and resets the counter to 0 for the next launch (so a
-    replayed graph finds it at 0). The barrier puts every thread's partial stores before the
-    release of the ticket; the acquire of the last ticket makes the other programs' partials
-    visible, read past L1 (.cg)."""
-    tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == num_splits - 1:
-        tl.store(count_ptr, 0)
-        s = tl.arange(0, 32)
-        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        for s0 in range(0, active, 32):  # the largest log-sum-exp of each head
-            lse = tl.load(
-                lse_ptr + rows[:, None] + s0 + s[None, :],
-                mask=row_mask[:, None] & (s0 + s < active)[None, :],
-                other=float("-inf"),
-                cache_modifier=".cg",
-            )
-            m = tl.maximum(m, tl.max(lse, 1))
-        m = tl.where(m == float("-inf"), 0.0, m)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        den = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for j in range(active):
-            w = tl.exp2(tl.load(lse_ptr + rows + j, mask=row_mask, other=float("-inf"), cache_modifier=".cg") - m)
-            part = tl.load(
-                part_ptr + (rows + j)[:, None] * HEAD_DIM + d[None, :], mask=store_mask, other=0.0, cache_modifier=".cg"
-            )
-            acc += part * w[:, None]
-            den += w
-        out = acc / tl.maximum(den, 1e-30)[:, None]
-        tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "num_cols"])
@@ -592,16 +540,10 @@ def paged_decode(
     cascade: CascadeInputs | None = None,
     heads_first: bool = True,
     pdl: bool = True,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[b] = attention of q[b] ([B, Hq, D], one token per request) over the first
     seq_lens[b] positions of request b's pages. With num_splits > 1 or a cascade, `workspace`
     (fp32, at least workspace_numel(...) elements) holds the partial results.
-
-    `counters` (int32, at least B * num_kv_heads elements, all 0; the kernel leaves them 0):
-    with splits and no cascade, the last split program of each (request, kv head) merges the
-    partials itself, one launch instead of two. Without them (and with a cascade) a reduce
-    kernel merges: the slow twin the tests compare with.
 
     `cascade` (nanoserve.attention.cascade): requests grouped by a shared prefix; each
     group's prefix is read once by the prefix kernel for all its members, the split kernel
@@ -626,13 +568,10 @@ def paged_decode(
         assert workspace.numel() >= n_part + n_lse, "decode workspace too small"
         part, lse = workspace[:n_part], workspace[n_part : n_part + n_lse]
     kv_start = cascade.prefix_len if cascade is not None else seq_lens  # unused without cascade
-    merge_last = counters is not None and not direct and cascade is None
-    if merge_last:
-        assert counters.dtype == torch.int32 and counters.numel() >= batch * num_kv_heads, "decode counters too small"
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, page_table, seq_lens, kv_start,
-        out, part, lse, counters if merge_last else seq_lens,
+        out, part, lse,
         q.stride(0), q.stride(1),
         kc_slot, vc_slot,
         page_table.stride(0),
@@ -641,8 +580,7 @@ def paged_decode(
         NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct, HAS_START=cascade is not None,
-        MERGE_LAST=merge_last, DOT_F32=DOT_F32, HEADS_FIRST=heads_first, num_warps=cfg["num_warps"],
-        num_stages=_stages(cfg, k_cache),
+        DOT_F32=DOT_F32, HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
         **launch_options(q.device, pdl),
     )  # fmt: skip
     if cascade is not None:
@@ -658,7 +596,7 @@ def paged_decode(
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=ccfg["BLOCK_M"], BLOCK_N=ccfg["BLOCK_N"],
             DOT_F32=DOT_F32, num_warps=ccfg["num_warps"], num_stages=_stages(ccfg, k_cache),
         )  # fmt: skip
-    if not direct and not merge_last:
+    if not direct:
         num_parts = cascade.num_parts if cascade is not None else seq_lens  # unused without cascade
         _decode_reduce_kernel[(batch, num_q_heads)](
             part, lse, seq_lens, kv_start, num_parts, out,
