@@ -221,10 +221,10 @@ TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
         MoEConfig(128, 128, 64, 8, 3, group_m=16),
         MoEConfig(128, 128, 64, 4, 3, group_m=8),
     ),  # 11523.2 us (was 12923.6)
-    # mixtral-8x7b, one rank of TP=2 (expert slices I/2 wide; 2026-11-26, loops not pipelined:
-    # num_stages 1 keeps them as measured):
-    (4096, 7168, 8, 1): (MoEConfig(1, 8, 128, 4, 1), MoEConfig(1, 8, 256, 4, 1, 8)),  # 97.2 us (was 127.2)
-    (4096, 7168, 8, 2): (MoEConfig(1, 8, 512, 4, 1), MoEConfig(1, 32, 128, 8, 1, 4)),  # 172.9 us (was 224.6)
+    # mixtral-8x7b, one rank of TP=2 (expert slices I/2 wide; 2026-11-27, pipelined loops; "was":
+    # the 2026-11-26 entries, whose loops were not pipelined):
+    (4096, 7168, 8, 1): (MoEConfig(1, 8, 128, 2, 2), MoEConfig(1, 16, 512, 4, 3, 4)),  # 95.3 us (was 99.1)
+    (4096, 7168, 8, 2): (MoEConfig(1, 8, 512, 4, 3), MoEConfig(1, 64, 128, 8, 4)),  # 172.5 us (was 178.4)
 }
 
 DECODE_MAX_PAIRS = 64  # untuned buckets: T*k at most this takes the decode path
