@@ -11,6 +11,12 @@ import torch
 
 torch.set_num_threads(1)
 
+# One test process builds engines for many models, dtypes and shapes, and each compiles the
+# fused torch references again (layers.fused: q/k norms are 3-D, hidden norms 2-D, in three
+# dtypes): more variants of one function than dynamo's default limit of 8, which a serving
+# process (one model, one dtype) stays far below.
+torch._dynamo.config.recompile_limit = 64
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

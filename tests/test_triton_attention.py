@@ -140,6 +140,8 @@ def check(case: Case, tol: float, backend=None) -> None:
     for i, (seq, prefix) in enumerate(zip(meta.seq_lens_host, meta.prefix_lens_host)):
         table = meta.page_table[i : i + 1]
         keys, values = (gather_kv(c, table, seq)[0].to(case.q.dtype) for c in (case.k_cache, case.v_cache))
+        if not meta.is_decode:  # an extend's new tokens attend to each other as computed, not as cached
+            keys[prefix:], values[prefix:] = case.k[cu[i] : cu[i + 1]], case.v[cu[i] : cu[i + 1]]
         want = attention_reference(case.q[cu[i] : cu[i + 1]], keys, values, case.scale, causal_offset=prefix)
         if cu[i + 1] > cu[i]:
             err = rel_err(out[cu[i] : cu[i + 1]], want)
