@@ -1,6 +1,6 @@
 """Where batch-1 decode time goes on the GPU, and what the Triton decode kernels buy.
 
-    python benchmarks/probes/profile_decode.py [--models qwen3-0.6b llama-3.1-8b] [--ops off on]
+    python benchmarks/probes/profile_decode.py [--models qwen3-0.6b llama-3.1-8b] [--ops off on] [--quantization fp8]
     python benchmarks/probes/profile_decode.py --gemv [--gemv-models ...] [--json FILE]
     python benchmarks/probes/profile_decode.py --host [--models qwen3-0.6b]
 
@@ -89,11 +89,16 @@ def device_us(evt) -> float:
     return 0.0
 
 
-def profile_batch1(name: str, ops_on: bool, min_split: int | None = None, pdl: bool = True, steps: int = 20) -> dict:
+def profile_batch1(
+    name: str, ops_on: bool, min_split: int | None = None, pdl: bool = True, steps: int = 20, quantization=None
+) -> dict:
     if min_split is not None:  # an experiment on the attention backend's decode split policy
         tk.MIN_SPLIT_TOKENS = min_split
     switches = KernelSwitches(triton_ops=ops_on, pdl=pdl)
-    llm = LLM(name, load_format="dummy", max_model_len=1024, kv_cache_tokens=16384, max_num_seqs=8, switches=switches)
+    llm = LLM(
+        name, load_format="dummy", max_model_len=1024, kv_cache_tokens=16384, max_num_seqs=8, switches=switches,
+        quantization=quantization,
+    )  # fmt: skip
     engine = llm.engine
     engine.add_request("p", PROMPT, SamplingParams(temperature=0, max_tokens=700, ignore_eos=True))
     for _ in range(8):  # prefill, then decode steps from the graph
@@ -119,7 +124,7 @@ def profile_batch1(name: str, ops_on: bool, min_split: int | None = None, pdl: b
     launches = sum(r[1] for r in rows)
     split = f", PDL {'on' if pdl else 'off'}, decode MIN_SPLIT_TOKENS {tk.MIN_SPLIT_TOKENS}"
     print(
-        f"\n== {name}, Triton decode kernels {'on' if ops_on else 'off'}{split}: batch 1, graph decode, {steps} steps"
+        f"\n== {name}{' (' + quantization + ' weights)' if quantization else ''}, Triton decode kernels {'on' if ops_on else 'off'}{split}: batch 1, graph decode, {steps} steps"
     )
     print(f"{'kernel':<72} {'launches/step':>13} {'µs/step':>9} {'share':>6}")
     for key, count, us in rows[:24]:
@@ -331,6 +336,7 @@ def main() -> None:
     ap.add_argument("--gemv-models", nargs="+", default=list(SHAPES))
     ap.add_argument("--json", help="with --gemv: write every timing to this file")
     ap.add_argument("--host", action="store_true", help="host-side view (cProfile) of the first model")
+    ap.add_argument("--quantization", choices=["fp8"], default=None, help="weights quantized at load")
     args = ap.parse_args()
     if args.gemv:
         gemv_sweep(args.gemv_models, args.json)
@@ -339,7 +345,7 @@ def main() -> None:
         host_view(args.models[0])
         return
     summary = [
-        profile_batch1(m, ops == "on", split, pdl == "on")
+        profile_batch1(m, ops == "on", split, pdl == "on", quantization=args.quantization)
         for m in args.models
         for ops in args.ops
         for split in args.min_split_tokens
