@@ -50,8 +50,9 @@ MLP_REDUCE_SLOT = 1  # the symmetric-memory slot a dense MLP's down projection w
 # experts (this rank's slice) up to MOE_PDL_MAX_INTER wide. H200, 2026-11-27 (RESULTS.md):
 # qwen3-30b-a3b (I = 768) batch-1 TPOT 2.891 -> 2.764 ms on one machine; mixtral-8x7b
 # (I = 14336) 7.033 ms with it against 6.965-6.966 without on two others, so wide experts
-# launch without it.
-MOE_PDL_MAX_INTER = 4096
+# launch without it. One TP=2 rank of mixtral-8x7b (I = 7168) gains from it: batch-1 TPOT
+# 3.959 ms with it against 4.041 without on one host of two H200s (2026-11-27, 5386314).
+MOE_PDL_MAX_INTER = 8192
 
 
 def _moe_every_expert(
