@@ -11,12 +11,6 @@ import torch
 
 torch.set_num_threads(1)
 
-# One test process builds engines for many models, dtypes and shapes, and each compiles the
-# fused torch references again (layers.fused: q/k norms are 3-D, hidden norms 2-D, in three
-# dtypes): more variants of one function than dynamo's default limit of 8, which a serving
-# process (one model, one dtype) stays far below.
-torch._dynamo.config.recompile_limit = 64
-
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -31,6 +25,13 @@ def pytest_collection_modifyitems(config, items):
 # before triton is first imported: the CPU tests of the Triton backend rely on this.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # One test process builds engines for many models, dtypes and shapes, and each compiles
+    # the fused torch references again (layers.fused: q/k norms are 3-D, hidden norms 2-D, in
+    # three dtypes): more variants of one function than dynamo's default limit of 8, which a
+    # serving process (one model, one dtype) stays far below. (Importing dynamo imports
+    # Triton, so never before the interpreter is chosen above.)
+    torch._dynamo.config.recompile_limit = 64
 
 
 # Clients of a module's `server` fixture (a tests.test_server_e2e.ServerProcess started with
