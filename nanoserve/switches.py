@@ -43,6 +43,8 @@ class KernelSwitches:
     fused: bool = True
     # The Triton SiLU-and-mul (MLPs up to 4096 wide); off: the torch.compile'd one.
     triton_silu: bool = True
+    # The MLP's gate_up GEMV applies SiLU-and-mul in its epilogue (one launch); off: two kernels.
+    gemv_silu: bool = True
     # Split-K partials of o_proj/down summed by the next RMSNorm; off: a sum kernel of their own.
     split_sum_in_norm: bool = True
     # The rotary kernel also writes the new K/V into the cache; off: attention's own store kernel.

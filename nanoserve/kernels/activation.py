@@ -20,6 +20,20 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def silu_mul_rounded(gate, up, dtype: tl.constexpr, PRECISE: tl.constexpr):
+    """silu(gate) * up in `dtype`, from fp32 gate and up that hold `dtype` values, rounded as
+    the reference does: silu in fp32 rounded to dtype, times up in fp32, rounded again. PRECISE
+    (compiled kernels): torch's CUDA silu, x / (1 + expf(-x)) with IEEE expf and division; the
+    interpreter has no libdevice. Shared by the kernel below and the GEMV's gated epilogue
+    (`linear._linear_fma_kernel`)."""
+    if PRECISE:
+        act = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    return (act.to(dtype).to(tl.float32) * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, I, stride_x, stride_o,
     BLOCK: tl.constexpr, EVEN: tl.constexpr, PRECISE: tl.constexpr, USE_PDL: tl.constexpr,
@@ -36,16 +50,11 @@ def _silu_and_mul_kernel(
         mask = cols < I
         gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_ptrs + I, mask=mask, other=0.0).to(tl.float32)
-    if PRECISE:  # torch's CUDA silu: x / (1 + expf(-x)) with IEEE expf and division
-        act = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate))
-    else:  # the interpreter has no libdevice
-        act = gate / (1.0 + tl.exp(-gate))
-    dtype = out_ptr.dtype.element_ty
-    y = act.to(dtype).to(tl.float32) * up  # silu rounded first, as the reference's F.silu
+    y = silu_mul_rounded(gate, up, out_ptr.dtype.element_ty, PRECISE)
     if EVEN:
-        tl.store(out_ptr + row * stride_o + cols, y.to(dtype))
+        tl.store(out_ptr + row * stride_o + cols, y)
     else:
-        tl.store(out_ptr + row * stride_o + cols, y.to(dtype), mask=mask)
+        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:

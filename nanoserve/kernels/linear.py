@@ -36,12 +36,13 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.activation import silu_mul_rounded
 from nanoserve.kernels.launch import INTERPRET, launch_options, pdl_start
 from nanoserve.kernels.ll_words import _ll_push_row
 
@@ -96,13 +97,16 @@ def _linear_fma_kernel(
     push_addrs, epoch_ptr, rank,
     W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, LINE: tl.constexpr, PUSH_WORLD: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    GATED: tl.constexpr, PRECISE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """PUSH_WORLD > 0 (one row, 2-byte y): each program also stores its outputs into every
     peer's LL receive buffer (`_ll_push_row`), so the sum's kernel does not send them.
     LOOP_STAGES > 1: the K loop's loads are software-pipelined (cp.async into shared memory,
     LOOP_STAGES - 1 steps ahead): bytes in flight without holding registers. Triton pipelines a
-    loop without a dot only when the loop itself names its stages."""
+    loop without a dot only when the loop itself names its stages.
+    GATED (an MLP's merged gate_up weight [2N, K], gate rows first): the program also streams
+    the up rows N + rn and stores silu(gate) * up [M, N], each half rounded to y's dtype first
+    as the unfused product would be, then `activation.silu_mul_rounded` (PRECISE as there)."""
     rm, rn, rk = _tile_ranges(BLOCK_M, BLOCK_N, BLOCK_K)
     # Rows past M or N re-read the last valid row (results never stored): loads stay unmasked
     # along M and N, so full tiles keep 16-byte vector loads.
@@ -114,30 +118,65 @@ def _linear_fma_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if GATED:
+        ru_in = rn_in + N  # the up rows
+        u_ptrs = w_ptrs + N * stride_wn
+        acc_up = tl.zeros_like(acc)
     if USE_PDL:
         # Under PDL this program may start while the previous kernel still runs: pull the first
         # weight tile into L2 meanwhile (weights are never written), then wait before reading x.
         # (More than one tile was slower: 2 x H200, RESULTS.md, seventh round.)
         lines = tl.minimum(tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)  # within the rows
         _prefetch_l2(w_ptr + rn_in[:, None] * stride_wn + lines[None, :])
+        if GATED:
+            _prefetch_l2(w_ptr + ru_in[:, None] * stride_wn + lines[None, :])
         pdl_start(USE_PDL)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         if EVEN_K:
             x = tl.load(x_ptrs).to(tl.float32)
-            w = tl.load(w_ptrs).to(tl.float32)
         else:
             k_mask = (k0 + rk) < K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
-        if W_SCALE == 2:  # FP8 with 128x128 block scales: each weight times its block's scale
-            kb = tl.minimum(k0 + rk, K - 1) // 128
-            w *= tl.load(s_ptr + (rn_in // 128)[:, None] * stride_sn + kb[None, :])
-        if BLOCK_M == 1:
-            acc += w * x
-        else:
-            acc += x[:, None, :] * w[None, :, :]
+        acc = _fma_step(acc, x, w_ptrs, s_ptr, rn_in, k0, rk, K, stride_sn, W_SCALE, BLOCK_M, EVEN_K)
+        if GATED:
+            acc_up = _fma_step(acc_up, x, u_ptrs, s_ptr, ru_in, k0, rk, K, stride_sn, W_SCALE, BLOCK_M, EVEN_K)
+            u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    y = _fma_outputs(acc, s_ptr, b_ptr, rn_in, W_SCALE, HAS_BIAS, BLOCK_M)
+    if GATED:
+        dtype = y_ptr.dtype.element_ty
+        up = _fma_outputs(acc_up, s_ptr, b_ptr, ru_in, W_SCALE, HAS_BIAS, BLOCK_M)
+        y = silu_mul_rounded(y.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype, PRECISE)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if PUSH_WORLD > 0:
+        _ll_push_row(y, N, push_addrs, epoch_ptr, rank, y_ptr.dtype.element_ty, BLOCK_N, PUSH_WORLD)
+
+
+@triton.jit
+def _fma_step(acc, x, w_ptrs, s_ptr, rn_in, k0, rk, K, stride_sn, W_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+              EVEN_K: tl.constexpr):  # fmt: skip
+    """One K step of `_linear_fma_kernel`: acc plus the products of x's tile (fp32) with the
+    weight tile at w_ptrs (rows rn_in; block scales applied to each weight)."""
+    if EVEN_K:
+        w = tl.load(w_ptrs).to(tl.float32)
+    else:
+        w = tl.load(w_ptrs, mask=((k0 + rk) < K)[None, :], other=0.0).to(tl.float32)
+    if W_SCALE == 2:  # FP8 with 128x128 block scales: each weight times its block's scale
+        kb = tl.minimum(k0 + rk, K - 1) // 128
+        w *= tl.load(s_ptr + (rn_in // 128)[:, None] * stride_sn + kb[None, :])
+    if BLOCK_M == 1:  # (one return: Triton types every return of a function alike)
+        acc += w * x
+    else:
+        acc += x[:, None, :] * w[None, :, :]
+    return acc
+
+
+@triton.jit
+def _fma_outputs(acc, s_ptr, b_ptr, rn_in, W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """`_linear_fma_kernel`'s fp32 outputs [BLOCK_M, BLOCK_N] of rows rn_in: the accumulator
+    reduced over K, times the per-channel scales (W_SCALE 1), plus the bias."""
     if BLOCK_M == 1:
         y = tl.sum(acc, axis=1)[None, :]
     else:
@@ -146,10 +185,7 @@ def _linear_fma_kernel(
         y *= tl.load(s_ptr + rn_in)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + rn_in).to(tl.float32)[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    if PUSH_WORLD > 0:
-        _ll_push_row(y, N, push_addrs, epoch_ptr, rank, y_ptr.dtype.element_ty, BLOCK_N, PUSH_WORLD)
+    return y
 
 
 @triton.jit
@@ -506,8 +542,11 @@ def small_m_linear(
     pdl: bool = True,
     w_scale: torch.Tensor | None = None,
     block_scale: bool = False,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """y = x W^T (+ b) for x [M, K] (dense last dim), weight [N, K] (dense rows). An FP8
+    """y = x W^T (+ b) for x [M, K] (dense last dim), weight [N, K] (dense rows). With `gated`
+    (an "fma" config, N even: an MLP's gate_up weight, gate rows first) y is silu(gate) * up
+    [M, N/2] instead, in one launch (see `_linear_fma_kernel`; `gated_config`). An FP8
     weight comes with `w_scale`: per-channel fp32 [N], or with `block_scale` the 128x128
     block scales fp32 [ceil(N/128), ceil(K/128)] (dense rows; a "dot" config then needs
     block_k 128 and 128-aligned splits: `block_fp8_config` and the rule's split configs are). `out` is an
@@ -520,11 +559,13 @@ def small_m_linear(
     epochs, rank) of an LL sum (where `can_push` allows): the row also goes to the peers."""
     if partials_only and (config.split_k < 2 or bias is not None):
         raise ValueError("partials_only needs a split-K config and no bias")
+    if gated and (push is not None or partials_only):
+        raise ValueError("a gated product is stored whole: no push, no partials")
     if out is None:
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape[0], weight.shape[0] // (2 if gated else 1), dtype=x.dtype, device=x.device)
     if push is not None and not can_push(config, x.shape[0], out.dtype):
         raise ValueError("only the one-row fma kernel with 2-byte outputs pushes to the peers")
-    launches = _linear_launches(x, weight, bias, config, out, push, pdl, w_scale, block_scale)
+    launches = _linear_launches(x, weight, bias, config, out, push, pdl, w_scale, block_scale, gated)
     if partials_only:
         launches = launches[:1]
     for kernel, grid, args, options in launches:
@@ -544,10 +585,12 @@ def compile_linear(
     pdl: bool = True,
     w_scale: torch.Tensor | None = None,
     block_scale: bool = False,
+    gated: bool = False,
 ) -> None:
     """Compile (without running) the kernels `small_m_linear` launches for these arguments: the
     same launch arguments, so the same compile-cache keys (benchmarks compile ahead in threads)."""
-    for kernel, grid, args, options in _linear_launches(x, weight, bias, config, out, None, pdl, w_scale, block_scale):
+    launches = _linear_launches(x, weight, bias, config, out, None, pdl, w_scale, block_scale, gated)
+    for kernel, grid, args, options in launches:
         kernel.warmup(*args, grid=grid, **options)
 
 
@@ -567,13 +610,16 @@ def _linear_launches(
     pdl: bool = True,
     w_scale: torch.Tensor | None = None,
     block_scale: bool = False,
+    gated: bool = False,
 ) -> list[tuple]:
     """(kernel, grid, args, options) of each launch of the product, in launch order."""
     M, K = x.shape
-    N = weight.shape[0]
+    N = weight.shape[0] // (2 if gated else 1)  # gated: the outputs, one per (gate, up) row pair
     if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != K:
         raise ValueError("small_m_linear needs x [M, K] and weight [N, K] with dense last dims")
     c = config
+    if gated and (c.kernel != "fma" or weight.shape[0] % 2):
+        raise ValueError("a gated product runs the fma kernel on an even number of weight rows")
     if c.split_k < 1 or (c.split_k > 1 and c.kernel == "fma"):
         raise ValueError(f"split_k={c.split_k}: only the dot and fp8 kernels split K (split_k >= 1)")
     if (w_scale is not None) != (weight.dtype == FP8_WEIGHT):
@@ -622,6 +668,8 @@ def _linear_launches(
             "LINE": line,
             "PUSH_WORLD": world,
             "LOOP_STAGES": c.num_stages,
+            "GATED": gated,
+            "PRECISE": not INTERPRET,
         }
         options.update(common)
         return [(_linear_fma_kernel, grid[:2], args, options)]
@@ -803,6 +851,18 @@ def _choose_fp8_gemv(N: int, K: int) -> LinearConfig | None:
     if N >= 4 * K:
         return LinearConfig("fma", 1, 8, 256, num_warps=2, num_stages=3)
     return LinearConfig("fma", 1, 4, 1024, num_warps=2, num_stages=3)
+
+
+def gated_config(config: LinearConfig | None) -> LinearConfig | None:
+    """The config of the gated product (`small_m_linear(gated=True)`: an MLP's gate_up GEMV with
+    SiLU-and-mul in its epilogue) from the one the rule gives the plain gate_up product at that
+    M, or None where that is not the fma kernel (then the product and the SiLU-and-mul run
+    apart). A gated program streams a gate and an up tile of half the rule's rows each, so the
+    programs and their bytes stay those the rule measured
+    (`benchmarks/probes/gemv_silu.py` times the alternatives)."""
+    if config is None or config.kernel != "fma":
+        return None
+    return replace(config, block_n=max(1, config.block_n // 2))
 
 
 def fp8_linear_config(M: int, N: int, K: int, dtype: torch.dtype, block: bool = False) -> LinearConfig | None:

@@ -44,7 +44,6 @@ from nanoserve.models.layers import (
     VocabParallelEmbedding,
     _SwitchedLayer,
     apply_switches,
-    silu_and_mul,
 )
 from nanoserve.models.model_config import ModelConfig
 from nanoserve.models.moe import SparseMoE
@@ -120,7 +119,7 @@ class MLP(_SwitchedLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """This rank's partial sums of the MLP's output (see RowParallelLinear)."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.switches))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class DecoderLayer(nn.Module):

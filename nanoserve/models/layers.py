@@ -80,6 +80,9 @@ def apply_switches(model: nn.Module, switches: KernelSwitches) -> None:
             module.switches = switches
 
 
+_HALF_DTYPES = (torch.bfloat16, torch.float16)  # the activation dtypes the Triton GEMVs take
+
+
 class _SwitchedLayer(nn.Module):
     """A layer whose forward picks Triton kernels or torch references by its switches."""
 
@@ -174,7 +177,7 @@ def fp8_linear(
     k, n = x.shape[-1], weight.shape[0]
     rows = x.numel() // k if k else 0
     dtype = torch.float32 if fp32_out else x.dtype
-    fast = switches.triton_ops and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
+    fast = switches.triton_ops and x.is_cuda and x.dtype in _HALF_DTYPES and x.stride(-1) == 1
     if not fast or rows == 0:
         y = F.linear(x, fp8_kernels.dequantize_weight(weight, fp8.scale, fp8.block, x.dtype), bias)
         return y.to(dtype) if out is None else out.copy_(y.reshape(rows, n)).view(*x.shape[:-1], n)
@@ -459,6 +462,45 @@ class ColumnParallelLinear(_SwitchedLayer):
         if fp8 is not None:
             return fp8_linear(x, self.weight, fp8, self.bias, switches=self.switches)
         return linear(x, self.weight, self.bias, switches=self.switches)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this linear's product (an MLP's parts "gate" and "up"): on CUDA
+        one launch where the rule gives the product to the fma GEMV (the SiLU in its epilogue,
+        `gemv_silu`), otherwise the product, then `silu_and_mul` (the slow twin)."""
+        config = self._gated_config(x)
+        if config is None:
+            return silu_and_mul(self(x), self.switches)
+        k = x.shape[-1]
+        fp8 = self.fp8
+        out = linear_kernels.small_m_linear(
+            x.reshape(-1, k),
+            self.weight,
+            self.bias,
+            config,
+            pdl=self.switches.pdl,
+            w_scale=None if fp8 is None else fp8.scale,
+            block_scale=fp8 is not None and fp8.block,
+            gated=True,
+        )
+        return out.view(*x.shape[:-1], out.shape[1])
+
+    def _gated_config(self, x: torch.Tensor) -> linear_kernels.LinearConfig | None:
+        """The gated GEMV's config for x, or None where the product and SiLU run apart."""
+        sw = self.switches
+        if not (sw.triton_ops and sw.gemv_silu and x.is_cuda and x.stride(-1) == 1 and x.dtype in _HALF_DTYPES):
+            return None
+        if [p.name for p in self.parts] != ["gate", "up"] or self.parts[0].size != self.parts[1].size:
+            return None
+        k, n = x.shape[-1], self.weight.shape[0]
+        rows = x.numel() // k if k else 0
+        fp8 = self.fp8
+        if fp8 is not None:
+            config = linear_kernels.fp8_linear_config(rows, n, k, x.dtype, fp8.block)
+        elif x.dtype == self.weight.dtype:
+            config = linear_kernels.linear_config(rows, n, k, x.dtype)
+        else:
+            return None
+        return linear_kernels.gated_config(config)
 
 
 # Tensor parallelism: row-parallel partial sums are all-reduced in the activation dtype, as

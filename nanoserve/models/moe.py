@@ -40,7 +40,6 @@ from nanoserve.models.layers import (
     _shard,
     _SwitchedLayer,
     linear,
-    silu_and_mul,
 )
 from nanoserve.models.model_config import ModelConfig
 
@@ -135,7 +134,7 @@ class SharedExpert(_SwitchedLayer):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(silu_and_mul(self.gate_up_proj(x), self.switches), self.down_proj.weight, switches=self.switches)
+        return linear(self.gate_up_proj.silu_and_mul(x), self.down_proj.weight, switches=self.switches)
 
 
 class SparseMoE(_SwitchedLayer):
