@@ -1,7 +1,9 @@
 """How far greedy outputs move when only the weights are rounded: the embedded SmolLM2-135M run
 in fp32 (every kernel and activation exact as in the fp32 reference), its decoder linears'
 weights rounded to bf16, or to FP8 e4m3 with per-tensor, per-channel (as `--quantization
-fp8`) or 128x128 block scales and dequantized again; embedding and LM head untouched. Each
+fp8`) or 128x128 block scales and dequantized again; embedding and LM head untouched, except
+in the last variant, which also rounds the LM head per channel (a copy: the embedding, tied
+to it in SmolLM2, stays unrounded). Each
 variant's mean common-prefix length with the unrounded fp32 run separates the format's own
 rounding from anything the engine's kernels add; for comparison, the whole model in bf16 (the
 class fp8_quality.py's criterion measures against).
@@ -57,13 +59,17 @@ ROUNDINGS = {
 }
 
 
-def greedy(device: str, dtype: str, texts: list[str], new: int, rounding=None) -> list[list[int]]:
+def greedy(device: str, dtype: str, texts: list[str], new: int, rounding=None, lm_head=None) -> list[list[int]]:
     llm = LLM("smollm2-135m", device=device, dtype=dtype, max_num_seqs=len(texts))
-    if rounding is not None:
-        with torch.no_grad():
-            for name, p in llm.engine.runner.model.named_parameters():
+    model = llm.engine.runner.model
+    with torch.no_grad():
+        if rounding is not None:
+            for name, p in model.named_parameters():
                 if p.dim() == 2 and "embed" not in name and "lm_head" not in name:
                     p.copy_(rounding(p.float()).to(p.dtype))
+        if lm_head is not None:  # a rounded copy, untied from the embedding
+            w = model.lm_head.weight
+            model.lm_head.weight = torch.nn.Parameter(lm_head(w.float()).to(w.dtype), requires_grad=False)
     outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True), use_tqdm=False)
     del llm
     return [o.outputs[0].token_ids for o in outs]
@@ -80,6 +86,9 @@ def main() -> None:
     runs = {
         f"fp32 compute, {name}": greedy(args.device, "float32", texts, args.new, r) for name, r in ROUNDINGS.items()
     }
+    runs["fp32 compute, e4m3 per-channel + LM head"] = greedy(
+        args.device, "float32", texts, args.new, per_channel, per_channel
+    )
     runs["bf16 compute, bf16 weights"] = greedy(args.device, "bfloat16", texts, args.new)
     print(f"SmolLM2-135M, {len(texts)} prompts x {args.new} greedy tokens, {args.device}: against fp32 unrounded")
     for name, outs in runs.items():
