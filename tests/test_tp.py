@@ -389,7 +389,8 @@ def test_linear_fp32_out_on_gpu(m, n, k):
 def test_tp2_decode_graphs_match_eager_on_gpus():
     """TP=2 over NCCL with decode graphs captured on both ranks and the overlap loop, against
     the same engine's eager twin (rank 0's graphs dropped: every rank then runs eagerly),
-    at batch sizes around the captured ones (padding, the largest graph, one past it)."""
+    at batch sizes around the captured ones (one row: every linear a GEMV, the gate_up one
+    gated; padding; the largest graph; one past it)."""
     from test_gpu_fastpath import SAME_KERNELS_TOL, compare, make_prompts, run
 
     if torch.cuda.device_count() < 2:
@@ -403,13 +404,13 @@ def test_tp2_decode_graphs_match_eager_on_gpus():
         engine = llm.engine
         graphs = engine.runner.graphs
         assert graphs is not None and graphs.max_bs == 32 and engine.overlap
-        batches = [make_prompts(n, seed=n) for n in (3, 9, 32, 33)]
+        batches = [make_prompts(n, seed=n) for n in (1, 3, 9, 32, 33)]
         fast = [run(llm, prompts, new=24) for prompts in batches]
         engine.runner.local.graphs, engine.overlap = None, False
         eager = [run(llm, prompts, new=24) for prompts in batches]
         engine.runner.local.graphs, engine.overlap = graphs, True
-        # One verdict over all 77 prompts (each batch's own would allow no divergence at all).
-        what = "TP=2 graphs + overlap vs eager, batches of 3, 9, 32, 33"
+        # One verdict over all 78 prompts (each batch's own would allow no divergence at all).
+        what = "TP=2 graphs + overlap vs eager, batches of 1, 3, 9, 32, 33"
         compare(_joined(fast), _joined(eager), what, logprob_tol=SAME_KERNELS_TOL)  # bit-equal on 2 x H200
     finally:
         llm.shutdown()
