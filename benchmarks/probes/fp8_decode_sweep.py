@@ -51,7 +51,7 @@ from compile_ahead import precompile
 
 from nanoserve.kernels import fp8 as kfp8
 from nanoserve.kernels import linear as klinear
-from nanoserve.kernels.launch import INTERPRET, launch_options
+from nanoserve.kernels.launch import launch_options
 from nanoserve.kernels.linear import LinearConfig
 from nanoserve.models.layers import Fp8Weight, fp8_linear
 from nanoserve.models.quantization import quantize_per_channel
@@ -282,14 +282,9 @@ def run(shapes, ms, timer, device, budget, start, rotate_bytes) -> list[dict]:
 def smoke(out: str | None) -> None:
     """CPU (TRITON_INTERPRET=1): every candidate on tiny shapes through the real flow, with each
     call's wall time standing in for the graph timing."""
-    if not INTERPRET:
-        sys.exit("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+    from gemv_stages import probe_timer  # (this script's folder)
 
-    def timer(calls):
-        t = time.perf_counter()
-        calls[0]()
-        return (time.perf_counter() - t) * 1e6
-
+    _, _, timer = probe_timer(smoke=True)  # exits unless TRITON_INTERPRET=1
     shapes = [("qkv", 48, 512), ("o_proj", 32, 320), ("llama_gate_up", 64, 256), ("llama_down", 32, 640)]
     ms = [1, 3, 8]
     start = time.perf_counter()

@@ -6,7 +6,7 @@ and other tiles, each followed by the rule's down GEMV.
     PYTHONUNBUFFERED=1 python benchmarks/probes/gemv_silu.py [--jobs 16]
     TRITON_INTERPRET=1 python benchmarks/probes/gemv_silu.py --smoke   # CPU: the flow on tiny shapes
 
-Timing as gemv_stages.py: one CUDA graph of back-to-back MLPs rotating over weight copies
+Timing as gemv_stages.py (its `probe_timer`): one CUDA graph of back-to-back MLPs rotating over weight copies
 together larger than 256 MB, median of 20 replays, under PDL as the engine launches (the
 SiLU-and-mul apart is the layer's: the Triton kernel up to 4096 wide, else torch.compile's).
 Each method's output is first checked against the fp32 reference (max |error| / max |ref| <
@@ -23,22 +23,20 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "
 
 import argparse
 import math
-import time
 
 import torch
 import triton
+from gemv_stages import probe_timer
 
 from nanoserve.kernels import fp8 as kfp8
 from nanoserve.kernels import linear as klinear
 from nanoserve.kernels.activation import silu_and_mul_reference
-from nanoserve.kernels.launch import INTERPRET
 from nanoserve.kernels.linear import LinearConfig
 from nanoserve.models import layers
 from nanoserve.models.quantization import quantize_per_channel
 
 DT = torch.bfloat16
 MLPS = [("llama-3.1-8b", 14336, 4096), ("qwen3-8b", 12288, 4096), ("qwen3-0.6b", 3072, 1024)]  # (model, I, hidden)
-ROTATE_BYTES = 256 << 20
 TOL = 2e-2
 TILES = [(2, 1024, 2), (4, 1024, 2), (4, 512, 2), (8, 256, 2), (4, 256, 2), (2, 512, 2), (8, 512, 4)]  # per half
 STAGES = (3, 6)
@@ -88,24 +86,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
-    mlps = MLPS
-    if args.smoke:
-        if not INTERPRET:
-            sys.exit("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
-        mlps, device, rotate = [("tiny", 24, 64)], "cpu", 0
-
-        def timer(calls):
-            t = time.perf_counter()
-            calls[0]()
-            return (time.perf_counter() - t) * 1e6
-    else:
-        from attention import graph_ms
-
-        device, rotate = "cuda", ROTATE_BYTES
-        print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-
-        def timer(calls):
-            return graph_ms(calls) * 1e3
+    device, rotate, timer = probe_timer(args.smoke)
+    mlps = [("tiny", 24, 64)] if args.smoke else MLPS
 
     for model, inter, hidden in mlps:
         for fp8 in (False, True):

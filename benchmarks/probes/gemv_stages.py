@@ -138,6 +138,26 @@ def measure(label, N, K, fp8, ws, timer) -> dict[str, float]:
     return found
 
 
+def probe_timer(smoke: bool):
+    """(device, bytes of weight copies to rotate over, timer(calls) -> µs per call): with
+    `smoke` Triton's interpreter on the CPU (one call timed, nothing rotated), else CUDA
+    graphs of back-to-back calls over ROTATE_BYTES of copies (also gemv_silu.py's)."""
+    if smoke:
+        if not INTERPRET:
+            sys.exit("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+
+        def timer(calls):
+            t = time.perf_counter()
+            calls[0]()
+            return (time.perf_counter() - t) * 1e6
+
+        return "cpu", 0, timer
+    from attention import graph_ms
+
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    return "cuda", ROTATE_BYTES, lambda calls: graph_ms(calls) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", choices=[s for s, _, _ in SHAPES], help="default: all")
@@ -145,24 +165,11 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes]
+    device, rotate, timer = probe_timer(args.smoke)
     if args.smoke:
-        if not INTERPRET:
-            sys.exit("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
-        shapes, device, rotate = [("tiny", 24, 320)], "cpu", 0
-
-        def timer(calls):
-            t = time.perf_counter()
-            calls[0]()
-            return (time.perf_counter() - t) * 1e6
+        shapes = [("tiny", 24, 320)]
     else:
-        from attention import graph_ms
-
-        device, rotate = "cuda", ROTATE_BYTES
-        print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
         precompile(compile_launches(shapes), args.jobs)
-
-        def timer(calls):
-            return graph_ms(calls) * 1e3
 
     per_layer: dict[tuple[str, bool], dict[str, float]] = {}
     records = []
