@@ -6,6 +6,8 @@ M; these kernels stream W once with wide loads:
 - "fma": products and sums on the CUDA cores, a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulator
   reduced over K once at the end (BLOCK_M = 1 is the GEMV). At one row it can also store its
   outputs straight into the tensor-parallel peers' receive buffers as LL words (`ll_words`).
+  Gated (`gated=True`): an MLP's gate_up product with SiLU-and-mul in the epilogue, one launch
+  (`gated_config`).
 - "dot": tensor-core tiles with M padded to BLOCK_M (rows past M are masked, never stored),
   optionally split along K (`split_k` programs per output tile, each storing its fp32
   partial to a workspace [split_k, M, N]; a second kernel adds the partials in split order
@@ -858,8 +860,9 @@ def gated_config(config: LinearConfig | None) -> LinearConfig | None:
     SiLU-and-mul in its epilogue) from the one the rule gives the plain gate_up product at that
     M, or None where that is not the fma kernel (then the product and the SiLU-and-mul run
     apart). A gated program streams a gate and an up tile of half the rule's rows each, so the
-    programs and their bytes stay those the rule measured
-    (`benchmarks/probes/gemv_silu.py` times the alternatives)."""
+    programs and their bytes stay those the rule measured. `benchmarks/probes/gemv_silu.py`
+    times the alternatives: the tiles it preferred on an H100 (6 loop stages for bf16, four K
+    steps where K <= 1024) were slower on an H200 end to end (RESULTS.md, 2026-11-27)."""
     if config is None or config.kernel != "fma":
         return None
     return replace(config, block_n=max(1, config.block_n // 2))
