@@ -6,8 +6,8 @@ The gated program streams the gate rows rn and the up rows N + rn with the same 
 the plain kernel streaming rows rn, so each output's sum is formed in the same order; it rounds
 both halves to the output dtype before the SiLU as the plain product's store does. Compiled or
 interpreted alike, the gated result must therefore equal the plain product (its config, over
-all 2N rows) followed by `activation.silu_and_mul`, bit for bit, and the torch reference
-(`linear_reference` then `silu_and_mul_reference`) within the output rounding.
+all 2N rows) followed by `activation.silu_and_mul`, bit for bit, and the fp64 reference (x W^T,
+then `silu_and_mul_reference`) within the output rounding.
 
 CPU tests run tiny ragged shapes in Triton's interpreter (conftest sets TRITON_INTERPRET=1 when
 no GPU is present); GPU tests (`pytest -m gpu tests/test_gated_gemv.py`) run the gate_up shapes
