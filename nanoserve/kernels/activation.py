@@ -23,9 +23,10 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_mul_rounded(gate, up, dtype: tl.constexpr, PRECISE: tl.constexpr):
     """silu(gate) * up in `dtype`, from fp32 gate and up that hold `dtype` values, rounded as
     the reference does: silu in fp32 rounded to dtype, times up in fp32, rounded again. PRECISE
-    (compiled kernels): torch's CUDA silu, x / (1 + expf(-x)) with IEEE expf and division; the
-    interpreter has no libdevice. Shared by the kernel below and the GEMV's gated epilogue
-    (`linear._linear_fma_kernel`)."""
+    (compiled kernels): torch's CUDA silu, x / (1 + expf(-x)) with IEEE expf and division;
+    otherwise Triton's fast exp (the interpreter has no libdevice; the MoE kernels use it).
+    Shared by the kernel below, the GEMV's gated epilogue (`linear._linear_fma_kernel`) and
+    the MoE kernels' gate_up epilogues (`moe.py`)."""
     if PRECISE:
         act = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate))
     else:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.activation import silu_mul_rounded
 from nanoserve.kernels.launch import INTERPRET, launch_options, pdl_start
 from nanoserve.kernels.linear import sum_planes
 
@@ -458,11 +459,9 @@ def _grouped_gate_up_kernel(
         u_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
     # Rounded as the reference: gate and up products in the dtype, silu rounded, times up.
-    gate = gate.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    y = act * up.to(dtype).to(tl.float32)
+    y = silu_mul_rounded(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype, False)
     o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_o + cols[None, :]
-    tl.store(o_ptrs, y.to(dtype), mask=valid[:, None] & col_ok[None, :])
+    tl.store(o_ptrs, y, mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
@@ -539,10 +538,8 @@ def _decode_gate_up_kernel(
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
-    gate = gate.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    y = act * up.to(dtype).to(tl.float32)
-    tl.store(out_ptr + p * stride_o + cols, y.to(dtype), mask=col_ok)
+    y = silu_mul_rounded(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype, False)
+    tl.store(out_ptr + p * stride_o + cols, y, mask=col_ok)
 
 
 @triton.jit
