@@ -491,15 +491,14 @@ class ColumnParallelLinear(_SwitchedLayer):
             return None
         if [p.name for p in self.parts] != ["gate", "up"] or self.parts[0].size != self.parts[1].size:
             return None
-        k, n = x.shape[-1], self.weight.shape[0]
-        rows = x.numel() // k if k else 0
         fp8 = self.fp8
-        if fp8 is not None:
-            config = linear_kernels.fp8_linear_config(rows, n, k, x.dtype, fp8.block)
-        elif x.dtype == self.weight.dtype:
-            config = linear_kernels.linear_config(rows, n, k, x.dtype)
+        if fp8 is None:
+            config = _small_m_config(x, self.weight, sw)  # as `linear` chooses
         else:
-            return None
+            k = x.shape[-1]
+            config = linear_kernels.fp8_linear_config(
+                x.numel() // k if k else 0, self.weight.shape[0], k, x.dtype, fp8.block
+            )
         return linear_kernels.gated_config(config)
 
 
