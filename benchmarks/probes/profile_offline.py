@@ -7,11 +7,12 @@ profiler (the reference wall time), then again under torch.profiler with CUDA ac
 - wall time vs GPU busy time (the union of kernel and copy intervals), and the idle gaps;
 - kernel time (summed durations: may exceed busy time where kernels overlap under PDL)
   by category, and the top kernels;
-- per engine step, the GPU span from an event recorded before its inputs are prepared to
-  one after sampling (its kernels and any idle time while the host launches them), by
-  decode batch-size bucket and for prefill / mixed steps.
+- per engine step, the GPU span of its forward, from an event recorded before the forward
+  is queued to one after (its kernels and any idle time while the host launches them;
+  sampling and the input copy not included), by decode batch-size bucket and for prefill /
+  mixed steps.
 
-    python benchmarks/probes/profile_offline.py [--model qwen3-0.6b] [--trace FILE.json]
+    python benchmarks/probes/profile_offline.py [--model qwen3-0.6b] [--quantization fp8] [--trace FILE.json]
     python benchmarks/probes/profile_offline.py --smoke   # CPU: tiny model, 4 sequences, CPU ops
 """
 
@@ -89,13 +90,13 @@ def busy_and_gaps(events: list[tuple[str, float, float]]) -> tuple[float, list[f
 
 
 class StepTimer:
-    """Wraps LLMEngine._launch: the GPU span (CUDA events; on CPU wall time) of each step,
-    with its kind and size. Events are read after the run, so no step waits for them."""
+    """Wraps LLMEngine._forward: the GPU span (CUDA events; on CPU wall time) of each step's
+    forward, with its kind and size. Events are read after the run, so no step waits for them."""
 
     def __init__(self, engine):
-        self.engine, self.launch, self.steps = engine, engine._launch, []
+        self.engine, self.forward, self.steps = engine, engine._forward, []
         self.cuda = engine.device.type == "cuda"
-        engine._launch = self._timed
+        engine._forward = self._timed
 
     def _mark(self):
         if not self.cuda:
@@ -104,11 +105,11 @@ class StepTimer:
         event.record()
         return event
 
-    def _timed(self, batch):
+    def _timed(self, batch, prepared):
         start = self._mark()
-        record = self.launch(batch)
+        found = self.forward(batch, prepared)
         self.steps.append((batch.is_decode, len(batch.requests), batch.num_tokens, start, self._mark()))
-        return record
+        return found
 
     def report(self) -> None:
         groups: dict[str, list[tuple[float, int]]] = defaultdict(list)
@@ -123,7 +124,7 @@ class StepTimer:
             total = sum(ms for ms, _ in rows)
             print(f"{key:<22} {len(rows):>6} {total / len(rows):>8.3f} {total / 1e3:>8.2f} "
                   f"{sum(n for _, n in rows) / len(rows):>17.1f}")  # fmt: skip
-        self.engine._launch = self.launch
+        self.engine._forward = self.forward
 
 
 def run(llm: LLM, prompts, params) -> float:
@@ -142,6 +143,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="fp8 weights")
     ap.add_argument("--trace", help="also write the Chrome trace here (large)")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny model, 4 short sequences")
     args = ap.parse_args()
@@ -154,7 +156,7 @@ def main() -> None:
         max_tokens = [min(m, 6) for m in max_tokens[:4]]
         llm = LLM(str(tiny_model_dir(Path(tmp.name))), device="cpu", load_format="dummy", max_model_len=256)
     else:
-        llm = LLM(args.model, load_format="dummy", max_model_len=args.max_model_len)
+        llm = LLM(args.model, load_format="dummy", max_model_len=args.max_model_len, quantization=args.quantization)
     engine = llm.engine
     on_gpu = engine.device.type == "cuda"
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
