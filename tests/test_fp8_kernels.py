@@ -206,18 +206,21 @@ def test_fp8_decode_kernel_rejects_bad_configs():
 
 
 @interp
-def test_interp_quantize_rows_equals_reference():
+@pytest.mark.parametrize("k", [300, kfp8.ROW_BLOCK_MAX + 300])  # the row from registers, and in two passes
+def test_interp_quantize_rows_equals_reference(k):
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(5, 300, generator=gen) * torch.tensor([1.0, 10.0, 0.01, 0.0, 3.0])[:, None]
+    x = torch.randn(5, k, generator=gen) * torch.tensor([1.0, 10.0, 0.01, 0.0, 3.0])[:, None]
     q, s = kfp8.quantize_rows(x)
     rq, rs = kfp8.quantize_rows_reference(x)
     assert torch.equal(s, rs)
     # Triton 3.9's interpreter rounds fp32 -> e4m3 without the mantissa's carry into the
-    # exponent (127.98 becomes 64, not 128); every other element must be equal. The GPU
-    # test holds the compiled kernel to the reference.
+    # exponent (127.98 becomes 64, not 128), and may round a subnormal (below 2^-6) one step
+    # of 2^-9 the other way; every other element must be equal. The GPU test holds the
+    # compiled kernel to the reference.
     differ = q.float() != rq.float()
     carry = rq.float().abs().log2().frac().eq(0) & q.float().eq(rq.float() / 2)
-    assert torch.equal(differ, differ & carry)
+    subnormal = rq.float().abs().le(2**-6) & (q.float() - rq.float()).abs().le(2**-9)
+    assert torch.equal(differ, differ & (carry | subnormal))
     assert differ.float().mean() < 0.1
 
 
@@ -378,8 +381,9 @@ def test_gpu_fp8_decode_kernel_in_cuda_graph(config):
 
 
 @gpu
-def test_gpu_quantize_rows_equals_reference():
-    x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("k", [4096, 14336, kfp8.ROW_BLOCK_MAX + 300])  # from registers (two), two passes
+def test_gpu_quantize_rows_equals_reference(k):
+    x = torch.randn(300, k, device="cuda", dtype=torch.bfloat16)
     q, s = kfp8.quantize_rows(x)
     rq, rs = kfp8.quantize_rows_reference(x)
     torch.testing.assert_close(s, rs, rtol=1e-6, atol=0)

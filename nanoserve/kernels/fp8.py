@@ -46,23 +46,37 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program m: row m's absmax over K (in BLOCK chunks), then the row divided by its scale."""
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr
+):
+    """Program m: row m's absmax over K, then the row divided by its scale. ONE_PASS (K <=
+    BLOCK): the row is read once and kept in registers; else read twice in BLOCK chunks."""
     pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        mask = k0 + cols < K
-        v = tl.load(x_ptr + row * stride_xm + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
-    tl.store(s_ptr + row, scale)
-    for k0 in range(0, K, BLOCK):
-        mask = k0 + cols < K
-        v = tl.load(x_ptr + row * stride_xm + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+    if ONE_PASS:
+        mask = cols < K
+        v = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(v), axis=0) / 448.0, 1e-12)
+        tl.store(s_ptr + row, scale)
         q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
-        tl.store(q_ptr + row * stride_qm + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            mask = k0 + cols < K
+            v = tl.load(x_ptr + row * stride_xm + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BLOCK):
+            mask = k0 + cols < K
+            v = tl.load(x_ptr + row * stride_xm + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+            tl.store(q_ptr + row * stride_qm + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+ROW_BLOCK_MAX = 16384  # longest row quantized from registers (llama-3.1-8b's down input: 14336)
 
 
 def quantize_rows(x: torch.Tensor, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,11 +86,12 @@ def quantize_rows(x: torch.Tensor, pdl: bool = True) -> tuple[torch.Tensor, torc
     m, k = x.shape
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    block = min(4096, triton.next_power_of_2(max(k, 16)))
+    block = min(ROW_BLOCK_MAX, triton.next_power_of_2(max(k, 16)))
     if m:
         _quantize_rows_kernel[(m,)](
-            x, q, s, k, x.stride(0), q.stride(0), BLOCK=block, num_warps=4, **launch_options(x.device, pdl)
-        )
+            x, q, s, k, x.stride(0), q.stride(0), BLOCK=block, ONE_PASS=k <= block, num_warps=max(4, min(16, block // 1024)),
+            **launch_options(x.device, pdl),
+        )  # fmt: skip
     return q, s
 
 
