@@ -216,25 +216,23 @@ _silu_and_mul_fused = fused(silu_and_mul_reference)
 rope = fused(rope_reference)
 
 
-# The Triton SiLU-and-mul runs where it was measured faster: intermediate sizes up to
-# TRITON_SILU_MAX_I. H200, 2026-11-21 (RESULTS.md): qwen3-0.6b (I = 3072) batch-1 TPOT 0.863
-# vs 0.893 ms and decode steps 1-5% faster together with the split-K rule; but llama-3.1-8b
-# (I = 14336) batch-1 TPOT 4.419 vs 4.305 ms, so larger MLPs keep the compiled one.
-# `triton_silu` off keeps the compiled one everywhere (A/B runs).
-TRITON_SILU_MAX_I = 4096
+# The Triton SiLU-and-mul rounds as eager torch (the compiled reference rounds once) and
+# launches under PDL. Until 2026-11-27 it ran only up to I = 4096: at one row llama-3.1-8b's
+# (I = 14336) batch-1 TPOT was 4.419 ms with it against 4.305 with the compiled one (H200,
+# 2026-11-21). One row now takes the gated GEMV (`ColumnParallelLinear.silu_and_mul`), and
+# at the offline workload's decode batches the compiled one took 18 us a call (RESULTS.md,
+# 2026-11-27). `triton_silu` off keeps the compiled one everywhere (A/B runs).
 
 
 def silu_and_mul(gate_up: torch.Tensor, switches: KernelSwitches = DEFAULT_SWITCHES) -> torch.Tensor:
     """silu(gate) * up of gate_up [..., 2I]. On CUDA a 2-D gate_up with a dense last dim goes
-    through the Triton kernel (one launch, under PDL) where TRITON_SILU_MAX_I allows; otherwise
-    the fused torch version."""
+    through the Triton kernel (one launch, under PDL); otherwise the fused torch version."""
     if (
         switches.triton_ops
         and switches.triton_silu
         and gate_up.is_cuda
         and gate_up.dim() == 2
         and gate_up.stride(1) == 1
-        and gate_up.shape[1] <= 2 * TRITON_SILU_MAX_I
     ):
         return activation.silu_and_mul(gate_up, pdl=switches.pdl)
     return _silu_and_mul_fused(gate_up, switches=switches)
