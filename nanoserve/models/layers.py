@@ -217,22 +217,30 @@ rope = fused(rope_reference)
 
 
 # The Triton SiLU-and-mul rounds as eager torch (the compiled reference rounds once) and
-# launches under PDL. Until 2026-11-27 it ran only up to I = 4096: at one row llama-3.1-8b's
-# (I = 14336) batch-1 TPOT was 4.419 ms with it against 4.305 with the compiled one (H200,
-# 2026-11-21). One row now takes the gated GEMV (`ColumnParallelLinear.silu_and_mul`), and
-# at the offline workload's decode batches the compiled one took 18 us a call (RESULTS.md,
-# 2026-11-27). `triton_silu` off keeps the compiled one everywhere (A/B runs).
+# launches under PDL. It runs where it was measured faster: MLPs up to TRITON_SILU_MAX_I wide
+# at any row count, wider ones from TRITON_SILU_WIDE_MIN_ROWS rows (decode's largest batches,
+# prefill). llama-3.1-8b (I = 14336), H100, 2026-11-27 (RESULTS.md), ms per decode step,
+# Triton against compiled: 6.232 / 6.196 at 2 rows, 6.396 / 6.327 at 8, 6.616 / 6.574 at 16,
+# 6.946 / 6.908 at 32, 7.200 / 7.201 at 64, 8.333 / 8.321 at 128, 11.152 / 11.329 at 256;
+# the offline workload 8,305 -> 8,444-8,505 output tok/s (bf16), 9,857 -> 10,087-10,135
+# (FP8 weights). At one row the gated GEMV runs instead where the rule allows (before it,
+# the Triton kernel was slower there: 4.419 against 4.305 ms TPOT, H200, 2026-11-21).
+# `triton_silu` off keeps the compiled one everywhere (A/B runs).
+TRITON_SILU_MAX_I = 4096
+TRITON_SILU_WIDE_MIN_ROWS = 129
 
 
 def silu_and_mul(gate_up: torch.Tensor, switches: KernelSwitches = DEFAULT_SWITCHES) -> torch.Tensor:
     """silu(gate) * up of gate_up [..., 2I]. On CUDA a 2-D gate_up with a dense last dim goes
-    through the Triton kernel (one launch, under PDL); otherwise the fused torch version."""
+    through the Triton kernel (one launch, under PDL) where the size rule above says so;
+    otherwise the fused torch version."""
     if (
         switches.triton_ops
         and switches.triton_silu
         and gate_up.is_cuda
         and gate_up.dim() == 2
         and gate_up.stride(1) == 1
+        and (gate_up.shape[1] <= 2 * TRITON_SILU_MAX_I or gate_up.shape[0] >= TRITON_SILU_WIDE_MIN_ROWS)
     ):
         return activation.silu_and_mul(gate_up, pdl=switches.pdl)
     return _silu_and_mul_fused(gate_up, switches=switches)
