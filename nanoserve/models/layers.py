@@ -219,7 +219,9 @@ rope = fused(rope_reference)
 # The Triton SiLU-and-mul rounds as eager torch (the compiled reference rounds once) and
 # launches under PDL. It runs where it was measured faster: MLPs up to TRITON_SILU_MAX_I wide
 # at any row count, wider ones from TRITON_SILU_WIDE_MIN_ROWS rows (decode's largest batches,
-# prefill). llama-3.1-8b (I = 14336), H100, 2026-11-27 (RESULTS.md), ms per decode step,
+# prefill). qwen3-0.6b (I = 3072), H200, 2026-11-21: batch-1 TPOT 0.863 against 0.893 ms, and
+# decode steps 1-5% faster together with the split-K rule. llama-3.1-8b (I = 14336), H100,
+# 2026-11-27 (RESULTS.md), ms per decode step,
 # Triton against compiled: 6.232 / 6.196 at 2 rows, 6.396 / 6.327 at 8, 6.616 / 6.574 at 16,
 # 6.946 / 6.908 at 32, 7.200 / 7.201 at 64, 8.333 / 8.321 at 128, 11.152 / 11.329 at 256;
 # the offline workload 8,305 -> 8,444-8,505 output tok/s (bf16), 9,857 -> 10,087-10,135
