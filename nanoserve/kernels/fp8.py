@@ -46,20 +46,34 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 @triton.jit
+def _row_scale(amax):
+    """A row's scale from its elements' absolute values (or their running maxima): max / 448,
+    never below the all-zero row's floor."""
+    return tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+
+
+@triton.jit
+def _to_e4m3_range(v, scale):
+    """v / scale, saturated to e4m3's range (the caller casts)."""
+    return tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr
 ):
     """Program m: row m's absmax over K, then the row divided by its scale. ONE_PASS (K <=
-    BLOCK): the row is read once and kept in registers; else read twice in BLOCK chunks."""
+    BLOCK): the row is read once and kept in registers; else read twice in BLOCK chunks. Both
+    paths take the scale and the quotient from the same helpers, so they agree bit for bit."""
     pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     if ONE_PASS:
         mask = cols < K
         v = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(v), axis=0) / 448.0, 1e-12)
+        scale = _row_scale(tl.abs(v))
         tl.store(s_ptr + row, scale)
-        q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+        q = _to_e4m3_range(v, scale)
         tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -67,12 +81,12 @@ def _quantize_rows_kernel(
             mask = k0 + cols < K
             v = tl.load(x_ptr + row * stride_xm + k0 + cols, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        scale = _row_scale(amax)
         tl.store(s_ptr + row, scale)
         for k0 in range(0, K, BLOCK):
             mask = k0 + cols < K
             v = tl.load(x_ptr + row * stride_xm + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+            q = _to_e4m3_range(v, scale)
             tl.store(q_ptr + row * stride_qm + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
