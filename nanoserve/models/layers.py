@@ -159,6 +159,13 @@ class Fp8Weight:
     input_scale: torch.Tensor | None = None
 
 
+def _fp8_small_m_config(x: torch.Tensor, weight: torch.Tensor, fp8: Fp8Weight):
+    """The rule's Triton config for x times an FP8 weight (None: cuBLASLt's FP8 GEMM, or for
+    block scales `block_fp8_config`); the FP8 twin of `_small_m_config`."""
+    k = x.shape[-1]
+    return linear_kernels.fp8_linear_config(x.numel() // k if k else 0, weight.shape[0], k, x.dtype, fp8.block)
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -182,7 +189,7 @@ def fp8_linear(
         y = F.linear(x, fp8_kernels.dequantize_weight(weight, fp8.scale, fp8.block, x.dtype), bias)
         return y.to(dtype) if out is None else out.copy_(y.reshape(rows, n)).view(*x.shape[:-1], n)
     x2 = x.reshape(rows, k)
-    config = linear_kernels.fp8_linear_config(rows, n, k, x.dtype, fp8.block)
+    config = _fp8_small_m_config(x, weight, fp8)
     if config is None and fp8.block:
         config = linear_kernels.block_fp8_config(rows, n, k)
     if config is not None:
@@ -499,14 +506,8 @@ class ColumnParallelLinear(_SwitchedLayer):
             return None
         if [p.name for p in self.parts] != ["gate", "up"] or self.parts[0].size != self.parts[1].size:
             return None
-        fp8 = self.fp8
-        if fp8 is None:
-            config = _small_m_config(x, self.weight, sw)  # as `linear` chooses
-        else:
-            k = x.shape[-1]
-            config = linear_kernels.fp8_linear_config(
-                x.numel() // k if k else 0, self.weight.shape[0], k, x.dtype, fp8.block
-            )
+        fp8 = self.fp8  # the configs `linear` and `fp8_linear` choose
+        config = _small_m_config(x, self.weight, sw) if fp8 is None else _fp8_small_m_config(x, self.weight, fp8)
         return linear_kernels.gated_config(config)
 
 
