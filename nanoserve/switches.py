@@ -41,7 +41,7 @@ class KernelSwitches:
     pdl: bool = True
     # torch.compile'd elementwise ops on CUDA (SiLU-and-mul, norms where Triton is off); off: plain torch.
     fused: bool = True
-    # The Triton SiLU-and-mul (MLPs up to 4096 wide); off: the torch.compile'd one.
+    # The Triton SiLU-and-mul (where layers.silu_and_mul's size rule gives it); off: the torch.compile'd one.
     triton_silu: bool = True
     # The MLP's gate_up GEMV applies SiLU-and-mul in its epilogue (one launch); off: two kernels.
     gemv_silu: bool = True

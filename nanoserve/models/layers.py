@@ -228,9 +228,9 @@ rope = fused(rope_reference)
 # at any row count, wider ones from TRITON_SILU_WIDE_MIN_ROWS rows (decode's largest batches,
 # prefill). qwen3-0.6b (I = 3072), H200, 2026-11-21: batch-1 TPOT 0.863 against 0.893 ms, and
 # decode steps 1-5% faster together with the split-K rule. llama-3.1-8b (I = 14336), H100,
-# 2026-11-27 (RESULTS.md), ms per decode step,
-# Triton against compiled: 6.232 / 6.196 at 2 rows, 6.396 / 6.327 at 8, 6.616 / 6.574 at 16,
-# 6.946 / 6.908 at 32, 7.200 / 7.201 at 64, 8.333 / 8.321 at 128, 11.152 / 11.329 at 256;
+# 2026-11-27 (RESULTS.md), ms per decode step, Triton against compiled: 6.232 / 6.196 at 2
+# rows, 6.396 / 6.327 at 8, 6.616 / 6.574 at 16, 6.946 / 6.908 at 32, 7.200 / 7.201 at 64,
+# 8.333 / 8.321 at 128, 11.152 / 11.329 at 256;
 # the offline workload 8,305 -> 8,444-8,505 output tok/s (bf16), 9,857 -> 10,087-10,135
 # (FP8 weights). At one row the gated GEMV runs instead where the rule allows (before it,
 # the Triton kernel was slower there: 4.419 against 4.305 ms TPOT, H200, 2026-11-21).
