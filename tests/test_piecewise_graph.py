@@ -201,6 +201,42 @@ def test_padded_pieces_equal_eager(tiny_llm, case):
         torch.testing.assert_close(flat_new[touched], flat_old[touched])  # the same K/V as eager wrote
 
 
+@torch.inference_mode()
+def test_rank0_decides_and_sizes_win_on_every_rank(tiny_llm):
+    """Tensor parallelism's two agreements, without processes: a step's `piecewise` flag
+    (rank 0's decision) overrides the runner's own, and a rank without the graphs refuses it;
+    a size at which graphs win here is kept only if `agree` (every rank) says so."""
+    runner = tiny_llm.engine.runner
+    pw = PiecewiseGraphs(runner.model, piecewise_sizes(SMALL_CAP), runner.device, torch.float32)
+    batch = make_batch([5, 3], [0, 0], runner.page_size, seed=3)
+    inputs = runner.prepare(batch, [0, 1])
+    runner.piecewise = pw
+    try:
+        assert runner.uses_piecewise(inputs)
+        inputs.piecewise = False  # rank 0 runs this step eagerly: so does this rank
+        runner.execute(inputs)
+        assert not pw.replays
+        inputs.piecewise = True
+        runner.execute(inputs)
+        assert dict(pw.replays) == {8: 1}
+        runner.piecewise = None
+        with pytest.raises(RuntimeError, match="has not captured"):
+            runner.execute(inputs)
+    finally:
+        runner.piecewise = None
+    pw._chain_seconds = lambda n, replay: 1.0 if replay else 2.0  # graphs win on this rank
+    for other_rank_wins in (True, False):
+        verdicts = []
+
+        def agree(value, device, other=other_rank_wins, verdicts=verdicts):
+            verdicts.append(value)
+            return value and other
+
+        pw.agree = agree
+        assert pw._graphs_win(8) == other_rank_wins
+        assert verdicts == [True]
+
+
 def test_engine_with_piecewise_path_equals_eager(tmp_path):
     """Whole engine on CPU with the uncaptured piecewise path routed in: same greedy tokens
     as the eager engine, prefill batches ran through it, nothing leaked."""

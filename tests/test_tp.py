@@ -6,7 +6,8 @@ server with --tp 2. Without processes: the step message packs and unpacks to the
 inputs, row-parallel partial sums kept in fp32 round like TP=1's matmul, partial sums summed
 by the norm after them, which sums may take the symmetric-memory path, and its fused
 all-reduce + RMSNorm kernel in Triton's interpreter with a simulated peer. On 2 GPUs
-(`-m gpu`): that kernel against NCCL's all-reduce + rms_norm.
+(`-m gpu`): that kernel against NCCL's all-reduce + rms_norm; decode graphs and piecewise
+prefill graphs against their eager twins.
 
 Spawned ranks re-import torch, so each architecture starts one TP=2 LLM for the module.
 """
@@ -274,7 +275,9 @@ def test_two_nodes_on_one_host(model_dirs):
 # ---- the step message and the row-parallel reduction (no processes) -------------------------
 
 
-def _inputs(rng: torch.Generator, tokens: int, reqs: int, width: int, rows: int | None, graph_bs: int | None):
+def _inputs(
+    rng: torch.Generator, tokens: int, reqs: int, width: int, rows: int | None, graph_bs: int | None, piecewise=None
+):
     def ints(n, dtype, high=1000):
         return torch.randint(0, high, (n,), generator=rng).to(dtype)
 
@@ -292,16 +295,22 @@ def _inputs(rng: torch.Generator, tokens: int, reqs: int, width: int, rows: int 
     )
     logit_rows = None if rows is None else ints(rows, torch.long)
     return ForwardInputs(
-        ints(tokens, torch.long, 2**40), ints(tokens, torch.long), meta, logit_rows, graph_bs, reqs - 1
-    )
+        ints(tokens, torch.long, 2**40), ints(tokens, torch.long), meta, logit_rows, graph_bs, reqs - 1,
+        piecewise=piecewise,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("tokens", "reqs", "width", "rows", "graph_bs"),
-    [(8, 8, 3, None, 8), (30, 4, 5, 3, None), (30, 4, 5, 0, None), (5, 2, 0, None, None)],
+    ("tokens", "reqs", "width", "rows", "graph_bs", "piecewise"),
+    [
+        (8, 8, 3, None, 8, None),
+        (30, 4, 5, 3, None, True),
+        (30, 4, 5, 0, None, False),
+        (5, 2, 0, None, None, None),
+    ],
 )
-def test_step_message_round_trip(tokens, reqs, width, rows, graph_bs):
-    sent = _inputs(torch.Generator().manual_seed(tokens + reqs), tokens, reqs, width, rows, graph_bs)
+def test_step_message_round_trip(tokens, reqs, width, rows, graph_bs, piecewise):
+    sent = _inputs(torch.Generator().manual_seed(tokens + reqs), tokens, reqs, width, rows, graph_bs, piecewise)
     header, host, payload = pack_step(sent)
     assert payload.dtype == torch.int32 and payload.dim() == 1
     msg = control_message(header, host, control_len(max_num_seqs=8))
@@ -310,7 +319,7 @@ def test_step_message_round_trip(tokens, reqs, width, rows, graph_bs):
     for name in ("input_ids", "positions", "logit_rows"):
         a, b = getattr(sent, name), getattr(got, name)
         assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), name
-    assert (got.graph_bs, got.num_reqs) == (sent.graph_bs, sent.num_reqs)
+    assert (got.graph_bs, got.num_reqs, got.piecewise) == (sent.graph_bs, sent.num_reqs, sent.piecewise)
     for name in ("seq_lens", "prefix_lens", "cu_query_lens", "page_table", "slot_mapping"):
         a, b = getattr(sent.meta, name), getattr(got.meta, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
@@ -412,6 +421,44 @@ def test_tp2_decode_graphs_match_eager_on_gpus():
         # One verdict over all 78 prompts (each batch's own would allow no divergence at all).
         what = "TP=2 graphs + overlap vs eager, batches of 1, 3, 9, 32, 33"
         compare(_joined(fast), _joined(eager), what, logprob_tol=SAME_KERNELS_TOL)  # bit-equal on 2 x H200
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.gpu
+def test_tp2_piecewise_graphs_match_eager_on_gpus():
+    """TP=2 with piecewise prefill graphs captured on both ranks (their all-reduces inside:
+    NCCL, or the fused sum + norm over symmetric memory where the partials fit), against the
+    same engine with rank 0's piecewise graphs dropped: its steps then say "eager" and the
+    workers follow. Prefill batches at captured sizes, padded, and above the largest
+    (chunked, eager); decode graphs on in both runs. A padded batch runs its linears at the
+    padded row count, other kernels than eager's at the real one, so the bar is
+    test_piecewise_graph's (near-tie flips allowed: 2 x H100, 1 of 14 prompts at a 0.125 gap)."""
+    from test_gpu_fastpath import compare, run
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    llm = LLM(
+        "qwen3-0.6b", load_format="dummy", dtype="bfloat16", tensor_parallel_size=2, max_model_len=2048,
+        kv_cache_tokens=65536, max_num_seqs=16, cuda_graph_max_bs=16, chunked_prefill_size=512,
+        enable_prefix_caching=False,  # the eager run repeats the prompts: no cache hits, same prefill
+    )  # fmt: skip
+    try:
+        runner = llm.engine.runner
+        pw = runner.piecewise
+        assert pw is not None and pw.sizes, "no piecewise size kept at TP=2"
+        rng = torch.Generator().manual_seed(7)
+        lengths = [[1], [4], [5], [3, 1], [30, 2, 7, 9], [100, 100, 56], [300, 200, 12], [60] * 8, [700], [1500, 9]]
+        lengths += [[17] * 10]
+        batches = [[torch.randint(0, 20000, (n,), generator=rng).tolist() for n in b] for b in lengths]
+        fast = [run(llm, prompts, new=12) for prompts in batches]
+        replays = sum(pw.replays.values())
+        assert replays >= 8, dict(pw.replays)
+        runner.local.piecewise = None
+        eager = [run(llm, prompts, new=12) for prompts in batches]
+        runner.local.piecewise = pw
+        assert sum(pw.replays.values()) == replays
+        compare(_joined(fast), _joined(eager), "TP=2 piecewise graphs vs eager prefill")
     finally:
         llm.shutdown()
 

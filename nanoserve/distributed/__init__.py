@@ -78,5 +78,9 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
+    def agree_all(self, value: bool, device: torch.device) -> bool:
+        """True where every rank's `value` is (all ranks call it; host-side, as `agree_min`)."""
+        return bool(self.agree_min(int(value), device))
+
 
 SINGLE = TPGroup()

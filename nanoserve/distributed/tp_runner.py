@@ -122,6 +122,7 @@ class StepHeader(NamedTuple):
     max_seq_len: int = 0
     num_reqs: int = 0  # ForwardInputs.num_reqs: real requests, padding excluded
     graph_bs: int = -1  # decode graph to replay; -1: eager
+    piecewise: int = -1  # 1: the piecewise graphs run this batch, 0: eager, -1: the worker decides
     host_reqs: int = 0  # EXECUTE: length of the host lists after the header (seq, then prefix)
     in_place: int = 0  # EXECUTE: 1 if the payload is the decode graphs' packed static inputs
     count: int = 0  # COPY_PAGES: (src, dst) page pairs after the header
@@ -156,6 +157,7 @@ def pack_step(
         max_seq_len=meta.max_seq_len,
         num_reqs=inputs.num_reqs,
         graph_bs=-1 if inputs.graph_bs is None else inputs.graph_bs,
+        piecewise=-1 if inputs.piecewise is None else int(inputs.piecewise),
         host_reqs=len(meta.seq_lens_host),
         in_place=int(graph_bytes is not None),
     )
@@ -202,6 +204,7 @@ def unpack_step(h: StepHeader, host: list[int], payload: torch.Tensor) -> Forwar
         None if h.logit_rows < 0 else rows.view(torch.long),
         None if h.graph_bs < 0 else h.graph_bs,
         h.num_reqs,
+        piecewise=None if h.piecewise < 0 else bool(h.piecewise),
     )
 
 
@@ -498,6 +501,7 @@ class TPModelRunner:
             raise rt.fail("a worker rank exited")
         copies, self.kv_cache.pending = self.kv_cache.pending, []
         self.local.read_pending_tokens(inputs)  # the workers receive finished input ids
+        inputs.piecewise = self.local.uses_piecewise(inputs)  # every rank runs the same kernels
         try:
             self._broadcast(inputs, copies)
         except Exception as exc:

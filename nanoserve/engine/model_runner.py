@@ -111,14 +111,14 @@ class ModelRunner:
         # point, so all capture the same graphs in the same order. The warm-ups run the
         # sharded layers' NCCL collectives eagerly, which needs every rank there; workers then
         # replay the graph that rank 0's step names (tp_runner). The decisions below read only
-        # the shared config, except the default decode size, which all ranks agree on.
+        # the shared config, except the default decode size and the piecewise sizes that beat
+        # eager (timed on each rank), which all ranks agree on.
         tp = self.model.tp
         sizes = piecewise_sizes(cfg.chunked_prefill_size) if cfg.piecewise_cuda_graphs else []
-        if sizes and tp.size > 1:
-            log.info("piecewise prefill graphs off under tensor parallelism (not verified on GPUs yet)")
-            sizes = []
         if sizes:
-            self.piecewise = PiecewiseGraphs(self.model, sizes, self.device, self.model.embed_tokens.weight.dtype)
+            self.piecewise = PiecewiseGraphs(
+                self.model, sizes, self.device, self.model.embed_tokens.weight.dtype, agree=tp.agree_all
+            )
             self.piecewise.capture()
         if cfg.cuda_graph_max_bs == 0:
             return
@@ -344,14 +344,24 @@ class ModelRunner:
             return self.graphs.replay(inputs)
         return self.forward_logits(inputs)
 
+    def uses_piecewise(self, inputs: ForwardInputs) -> bool:
+        """Whether this runner's piecewise graphs cover `inputs` (a prefill/extend batch of at
+        most their largest size)."""
+        pw = self.piecewise
+        return pw is not None and not inputs.meta.is_decode and pw.padded_size(inputs.input_ids.shape[0]) is not None
+
     def forward_logits(self, inputs: ForwardInputs) -> torch.Tensor:
         """The eager forward (also what a decode graph captures); a prefill/extend batch that
-        the piecewise graphs cover runs them, with eager attention between."""
+        the piecewise graphs cover runs them, with eager attention between (`inputs.piecewise`
+        decides where set: under tensor parallelism every rank must run the same kernels and
+        collectives, so the workers follow rank 0)."""
         self.backend.prepare(inputs.meta)
         batch = ForwardBatch(inputs.meta, self.backend, self.kv_cache.k, self.kv_cache.v)
-        pw = self.piecewise
-        if pw is not None and not inputs.meta.is_decode and pw.padded_size(inputs.input_ids.shape[0]) is not None:
-            hidden = pw.forward(inputs.input_ids, inputs.positions, batch)
+        piecewise = self.uses_piecewise(inputs) if inputs.piecewise is None else inputs.piecewise
+        if piecewise:
+            if self.piecewise is None:
+                raise RuntimeError("rank 0 runs this batch through piecewise graphs that this rank has not captured")
+            hidden = self.piecewise.forward(inputs.input_ids, inputs.positions, batch)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, batch)
         if inputs.logit_rows is not None:

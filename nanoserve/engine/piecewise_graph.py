@@ -24,8 +24,9 @@ Invariants:
 - then the sizes at which replaying is slower than running the pieces eagerly are dropped
   (measured: large batches of large models are bound by the GPU, where the copies into the
   static buffers cost more than the launches the graphs save); batches above the largest
-  kept size run eagerly. The timing decision is per process: under tensor parallelism the
-  ranks would have to agree on it;
+  kept size run eagerly. Under tensor parallelism each rank times its own pieces (their
+  collectives keep the ranks in step) and a size wins only where it wins on every rank
+  (`agree`), so all ranks keep the same sizes and run the same search;
 - `forward`'s result is a view of the static hidden-state buffer, valid until the next
   forward (the caller projects the rows it needs to logits right away, on the same stream).
 
@@ -87,10 +88,20 @@ def largest_winning_size(sizes: list[int], graphs_win: Callable[[int], bool]) ->
 
 
 class PiecewiseGraphs:
-    def __init__(self, model: DecoderLM, sizes: list[int], device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        model: DecoderLM,
+        sizes: list[int],
+        device: torch.device,
+        dtype: torch.dtype,
+        agree: Callable[[bool, torch.device], bool] | None = None,
+    ):
+        """`agree(value, device)`: whether `value` holds on every tensor-parallel rank (every
+        rank calls it at the same point; `TPGroup.agree_all`); None: this process alone."""
         if not sizes:
             raise ValueError("piecewise graphs need at least one token count")
         self.model = model
+        self.agree = agree
         self.sizes = sorted(sizes)
         self.max_tokens = self.sizes[-1]
         self.device = device
@@ -236,7 +247,8 @@ class PiecewiseGraphs:
         for _ in range(repeats + 1):  # the first round warms both up
             for replay, measured in times.items():
                 measured.append(self._chain_seconds(n, replay))
-        return statistics.median(times[True][1:]) <= KEEP_IF_FASTER_BY * statistics.median(times[False][1:])
+        win = statistics.median(times[True][1:]) <= KEEP_IF_FASTER_BY * statistics.median(times[False][1:])
+        return win if self.agree is None else self.agree(win, self.device)
 
     def _drop_slower_sizes(self) -> None:
         # Time on random tokens at spread positions (uniform data can run faster than real).
