@@ -206,6 +206,7 @@ def _attend_pages(
     l_i,
     acc,
     table,
+    page,
     k_base,
     v_base,
     lo,
@@ -221,8 +222,9 @@ def _attend_pages(
     DOT_F32: tl.constexpr,
 ):
     """Online softmax of a query tile over cache positions [lo, hi) of one request's pages
-    (`table`: its page-table row; k_base / v_base: the caches offset to one kv head). Every
-    kernel that reads K/V through a page table does it here."""
+    (`table`: its page-table row, `page`: its first block's page ids from `_first_pages`;
+    k_base / v_base: the caches offset to one kv head). Every kernel that reads K/V through a
+    page table does it here."""
     if k_base.dtype.element_ty.is_fp8() and q.dtype != tl.float32:
         # fp8 cache: the products run in fp16, which fp8 converts to in one instruction per
         # pair (to bf16 it takes several, and the kernel became ALU-bound: measured slower
@@ -232,8 +234,6 @@ def _attend_pages(
     # addresses never wait on a load issued in the same iteration (H200, one layer's decode
     # over the offline workload's batches: 1,475-1,500 -> 1,438 us in bf16, 1,479 -> 1,276
     # in fp8; `benchmarks/attention.py --ragged`).
-    pos = lo + tl.arange(0, BLOCK_N)
-    page = tl.load(table + pos // PAGE_SIZE, mask=pos < hi, other=0)
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < hi
@@ -247,11 +247,21 @@ def _attend_pages(
 
 
 @triton.jit
+def _first_pages(table, lo, hi, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page ids of positions lo .. lo + BLOCK_N (within hi) of a page-table row: what
+    `_attend_pages` reads first. The table is a step input, so a PDL kernel may load it
+    before its wait."""
+    pos = lo + tl.arange(0, BLOCK_N)
+    return tl.load(table + pos // PAGE_SIZE, mask=pos < hi, other=0)
+
+
+@triton.jit
 def _attend_rows(
     q_ptr,
     q_rows,
     row_mask,
     table,
+    page,
     k_base,
     v_base,
     lo,
@@ -267,8 +277,9 @@ def _attend_rows(
     DOT_F32: tl.constexpr,
 ):
     """Attention of ROWS query rows (element offsets `q_rows` into q; rows off `row_mask` read
-    zeros) over positions [lo, hi) of one page-table row. Returns the normalised output
-    [ROWS, BLOCK_D] in fp32, the running max and sum (for a log-sum-exp), and the dim mask."""
+    zeros) over positions [lo, hi) of one page-table row (`page`: `_first_pages` of it).
+    Returns the normalised output [ROWS, BLOCK_D] in fp32, the running max and sum (for a
+    log-sum-exp), and the dim mask."""
     d = tl.arange(0, BLOCK_D)
     if BLOCK_D == HEAD_DIM:
         d_mask = d < BLOCK_D  # all true: keeps the dim mask out of the vectorised loads
@@ -279,7 +290,7 @@ def _attend_rows(
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     m_i, l_i, acc = _attend_pages(
-        q, m_i, l_i, acc, table, k_base, v_base, lo, hi, stride_kc_slot, stride_vc_slot, d, scale_log2,
+        q, m_i, l_i, acc, table, page, k_base, v_base, lo, hi, stride_kc_slot, stride_vc_slot, d, scale_log2,
         PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
     )  # fmt: skip
     return acc / tl.maximum(l_i, 1e-30)[:, None], m_i, l_i, d, d_mask
@@ -415,12 +426,12 @@ def _decode_split_kernel(
     USE_PDL: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
 ):
-    pdl_start(USE_PDL)  # launched early (nanoserve/triton_pdl.py): wait before reading anything
-
     # One program = one (request, kv head, split): the GROUP query heads sharing the kv head
     # are the rows of one tile, so each K/V block is loaded once for the whole group.
     # With HAS_START (cascade), a request's positions before kv_start[b] are another
     # kernel's (its group's shared prefix): the splits cover kv_start[b]..seq_len only.
+    # Lengths, starts and the page table are the step's inputs (written before its first
+    # kernel): read before the PDL wait, so that only q and K/V loads follow it.
     b = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
     kvh = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
     split = tl.program_id(2)
@@ -435,8 +446,11 @@ def _decode_split_kernel(
     heads = kvh * GROUP + g
     row_mask = g < GROUP
     b64 = b.to(tl.int64)
+    table = page_table_ptr + b64 * stride_pt
+    page = _first_pages(table, start, end, PAGE_SIZE, BLOCK_N)
+    pdl_start(USE_PDL)  # q and this step's K/V come from the kernels before
     out, m_i, l_i, d, d_mask = _attend_rows(
-        q_ptr, b64 * stride_qt + heads * stride_qh, row_mask, page_table_ptr + b64 * stride_pt,
+        q_ptr, b64 * stride_qt + heads * stride_qh, row_mask, table, page,
         k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, start, end, stride_kc_slot, stride_vc_slot,
         scale_log2, BLOCK_H, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
     )  # fmt: skip
@@ -483,10 +497,9 @@ def _decode_reduce_kernel(
     HAS_CASCADE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)  # launched early (nanoserve/triton_pdl.py): wait before reading anything
-
     # Merges a (request, head)'s partial results: the split kernel's active splits (columns
     # 0..), and with HAS_CASCADE the prefix kernel's num_parts[b] (columns num_splits..).
+    # Which columns are active follows from the step's inputs, read before the PDL wait.
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -500,6 +513,7 @@ def _decode_reduce_kernel(
         num_parts = tl.load(num_parts_ptr + b)
         s_mask = s_mask | ((s >= num_splits) & (s < num_splits + num_parts))
     d_mask = d < HEAD_DIM
+    pdl_start(USE_PDL)  # the partials come from the kernels before
     row = (b.to(tl.int64) * NUM_Q_HEADS + h) * num_cols + s
     lse = tl.load(lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -708,9 +722,10 @@ def _extend_kernel(
         table = page_table_ptr + b.to(tl.int64) * stride_pt
         kc_base = k_cache_ptr + kvh * HEAD_DIM
         vc_base = v_cache_ptr + kvh * HEAD_DIM
+        page = _first_pages(table, 0, prefix, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc = _attend_pages(
-            q, m_i, l_i, acc, table, kc_base, vc_base, 0, prefix, stride_kc_slot, stride_vc_slot, d, scale_log2,
-            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
+            q, m_i, l_i, acc, table, page, kc_base, vc_base, 0, prefix, stride_kc_slot, stride_vc_slot, d,
+            scale_log2, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
         )  # fmt: skip
 
         # 2) new tokens before this query block: visible to every row, no mask.
@@ -856,8 +871,9 @@ def _cascade_prefix_kernel(
         heads = kvh * GROUP + r % GROUP
         row_mask = member < count
         b = tl.load(members_ptr + first + member, mask=row_mask, other=0).to(tl.int64)
+        table = page_table_ptr + row_b * stride_pt
         out, m_i, l_i, d, d_mask = _attend_rows(
-            q_ptr, b * stride_qt + heads * stride_qh, row_mask, page_table_ptr + row_b * stride_pt,
+            q_ptr, b * stride_qt + heads * stride_qh, row_mask, table, _first_pages(table, lo, hi, PAGE_SIZE, BLOCK_N),
             k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, lo, hi, stride_kc_slot, stride_vc_slot,
             scale_log2, BLOCK_M, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
         )  # fmt: skip

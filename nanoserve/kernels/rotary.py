@@ -35,12 +35,24 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 @triton.jit
+def _norm_weight_halves(w_ptr, d, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """The per-head norm's weight as two halves [1, BLOCK_HALF] in fp32 (zeros without a norm)."""
+    if HAS_NORM:
+        w1 = tl.load(w_ptr + d, mask=_lanes(d, HALF), other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + d, mask=_lanes(d, HALF), other=0.0).to(tl.float32)[None, :]
+    else:
+        w1 = tl.zeros([1, d.shape[0]], tl.float32)
+        w2 = w1
+    return w1, w2
+
+
+@triton.jit
 def _norm_rope_heads(
-    src, w_ptr, h0, num_heads, stride_h, cos, sin, d, eps, dtype: tl.constexpr,
+    src, w1, w2, h0, num_heads, stride_h, cos, sin, d, eps, dtype: tl.constexpr,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
-    """Normalise (optionally) and rotate heads h0 .. h0 + BLOCK_H of one token: the rotated
-    halves (rounded to dtype), the heads and the mask."""
+    """Normalise (optionally, by the weight halves w1, w2) and rotate heads h0 .. h0 + BLOCK_H
+    of one token: the rotated halves (rounded to dtype), the heads and the mask."""
     h = h0 + tl.arange(0, BLOCK_H)
     mask = (h < num_heads)[:, None] & _lanes(d, HALF)[None, :]
     p1 = src + h[:, None] * stride_h + d[None, :]
@@ -48,8 +60,6 @@ def _norm_rope_heads(
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
-        w1 = tl.load(w_ptr + d, mask=_lanes(d, HALF), other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + d, mask=_lanes(d, HALF), other=0.0).to(tl.float32)[None, :]
         # As the reference: normalised value rounded to the dtype, times the weight, rounded.
         x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
@@ -89,28 +99,34 @@ def _qk_norm_rope_kernel(
     # STORE_KV a k program also writes its rotated heads into cache slot slot[t], and a v
     # program copies its heads of v there (a negative slot skipped, as attention's
     # `store_kv` does). v gets programs of its own so that no program does twice the work.
-    pdl_start(USE_PDL)
+    # Positions and slots are the step's inputs (written before its first kernel), the
+    # tables and norm weights constants: all are read before the PDL wait, so their loads
+    # overlap the previous kernel (the qkv product) instead of following it.
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     d = tl.arange(0, BLOCK_HALF)
     lanes = _lanes(d, HALF)
+    if STORE_KV:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
     if j < Q_BLOCKS + K_BLOCKS:
-        if STORE_KV:
-            slot = tl.load(slot_ptr + t).to(tl.int64)  # issued early: its latency overlaps the math
         pos = tl.load(pos_ptr + t).to(tl.int64)
         dtype = q_out_ptr.dtype.element_ty
         # cos/sin rounded to the activations' dtype first, as the reference (and transformers) do.
         cos = tl.load(cos_ptr + pos * stride_cos + d, mask=lanes, other=0.0).to(dtype).to(tl.float32)[None, :]
         sin = tl.load(sin_ptr + pos * stride_cos + d, mask=lanes, other=0.0).to(dtype).to(tl.float32)[None, :]
         if j < Q_BLOCKS:
+            w1, w2 = _norm_weight_halves(qw_ptr, d, HALF, HAS_NORM)
+            pdl_start(USE_PDL)  # q comes from the previous kernel
             o1, o2, h, mask = _norm_rope_heads(
-                q_ptr + t * stride_qt, qw_ptr, j * BLOCK_H, NUM_Q_HEADS, stride_qh, cos, sin, d, eps, dtype,
+                q_ptr + t * stride_qt, w1, w2, j * BLOCK_H, NUM_Q_HEADS, stride_qh, cos, sin, d, eps, dtype,
                 HEAD_DIM, HALF, BLOCK_H, HAS_NORM,
             )  # fmt: skip
             _store_halves(q_out_ptr + t * (NUM_Q_HEADS * HEAD_DIM), o1, o2, h, d, mask, HEAD_DIM, HALF)
         else:
+            w1, w2 = _norm_weight_halves(kw_ptr, d, HALF, HAS_NORM)
+            pdl_start(USE_PDL)  # k comes from the previous kernel
             o1, o2, h, mask = _norm_rope_heads(
-                k_ptr + t * stride_kt, kw_ptr, (j - Q_BLOCKS) * BLOCK_H, NUM_K_HEADS, stride_kh, cos, sin, d, eps,
+                k_ptr + t * stride_kt, w1, w2, (j - Q_BLOCKS) * BLOCK_H, NUM_K_HEADS, stride_kh, cos, sin, d, eps,
                 dtype, HEAD_DIM, HALF, BLOCK_H, HAS_NORM,
             )  # fmt: skip
             _store_halves(k_out_ptr + t * (NUM_K_HEADS * HEAD_DIM), o1, o2, h, d, mask, HEAD_DIM, HALF)
@@ -119,8 +135,8 @@ def _qk_norm_rope_kernel(
                     cache_ty = k_cache_ptr.dtype.element_ty
                     k1, k2 = _to_cache(o1, cache_ty, TO_FP8), _to_cache(o2, cache_ty, TO_FP8)
                     _store_halves(k_cache_ptr + slot * stride_kc, k1, k2, h, d, mask, HEAD_DIM, HALF)
-    else:  # only launched with STORE_KV
-        slot = tl.load(slot_ptr + t).to(tl.int64)
+    elif STORE_KV:  # the v programs (launched only with STORE_KV)
+        pdl_start(USE_PDL)  # v comes from the previous kernel
         h = (j - Q_BLOCKS - K_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = (h < NUM_K_HEADS)[:, None] & lanes[None, :]
         pv = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
