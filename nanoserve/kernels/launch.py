@@ -11,10 +11,12 @@ A kernel launched with PDL may start while the previous kernel in the stream (or
 is still running. Invariants every such kernel keeps:
 - every program calls `gdc_wait()` before it reads anything a previous kernel may have
   written, and before it writes anything; until then it may only read weights (never written
-  during a forward) and the step's inputs that the host copied in before the step's first
-  kernel (positions, lengths, page tables, cache slots: a copy is not a PDL launch, so every
-  kernel of the step starts after it). `gdc_wait` returns once the previous kernel has
-  completed and its writes are visible, so results never depend on the overlap;
+  during a forward) and the step's inputs (positions, lengths, page tables, cache slots),
+  which are in place before the forward's first kernel starts: that kernel, the embedding
+  lookup, is a torch op, never a PDL launch, so it starts only after the copy (or, on a
+  tensor-parallel worker, the broadcast) that wrote them has completed, and every later
+  kernel starts after it. `gdc_wait` returns once the previous kernel has completed and its
+  writes are visible, so results never depend on the overlap;
 - `gdc_launch_dependents()` lets the next kernel launch early; that kernel still waits for
   this one to complete in its own `gdc_wait`, so calling it first thing is always safe.
 Measured on an H200 (batch-1 decode step, benchmarks/probes/profile_decode.py --pdl off on): the
