@@ -1,13 +1,15 @@
-"""Compile the tensor-parallel kernels for Hopper (sm_90) at the given group sizes, without a
-GPU: Triton's passes and ptxas run on the host. Prints each size once all its kernels have
-compiled; a failure raises. Runtime ints are left unspecialised and every pointer and stride
-16-divisible, as at the engine's larger ranks (ranks 0 and 1 are specialised, so TP=2 alone
-never compiles these paths).
+"""Compile kernels for Hopper (sm_90) without a GPU: Triton's passes and ptxas run on the host.
+Numbers are tensor-parallel group sizes: the TP kernels at that size. Runtime ints are left
+unspecialised and every pointer and stride 16-divisible, as at the engine's larger ranks
+(ranks 0 and 1 are specialised, so TP=2 alone never compiles these paths). `decode`: the
+decode kernels that read before their PDL wait (rotary with and without its norm, K/V store
+and fp8 cache; decode split and reduce), in their PDL variants, which Triton's interpreter
+never builds. Prints each argument once all its kernels have compiled; a failure raises.
 
-    python tests/hopper_compile.py 2 4 8
+    python tests/hopper_compile.py 2 4 8 decode
 
-Used by tests/test_tp.py (CPU, in CI) and by benchmarks/tp_session.sh's `symm` stage (the GPU
-image's Triton)."""
+Used by tests/test_tp.py and tests/test_decode_kernels.py (CPU, in CI) and by
+benchmarks/tp_session.sh's `symm` stage (the GPU image's Triton)."""
 
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import triton
 from triton.backends.compiler import GPUTarget
 
-from nanoserve.kernels import all_reduce, linear
+from nanoserve.kernels import all_reduce, attention, linear, rotary
 
-BF16, I64 = "*bf16", "*i64"
+BF16, I64, I32, F32 = "*bf16", "*i64", "*i32", "*fp32"
 
 
 def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int) -> None:
@@ -49,7 +51,39 @@ def compile_tp_kernels(world: int) -> None:
     compile_for_hopper(linear._linear_fma_kernel, fma, {**one_row, "PUSH_WORLD": world, "USE_PDL": True}, 2)
 
 
+def compile_decode_kernels() -> None:
+    rope = {n: BF16 for n in ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_out_ptr", "qw_ptr", "kw_ptr")}
+    rope |= {"pos_ptr": I64, "cos_ptr": F32, "sin_ptr": F32, "slot_ptr": I64, "eps": "fp32"}
+    rope |= {n: "i32" for n in rotary._qk_norm_rope_kernel.arg_names if n.startswith("stride")}
+    heads = {"NUM_Q_HEADS": 16, "NUM_K_HEADS": 8, "HEAD_DIM": 128, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_H": 4}
+    heads |= {"Q_BLOCKS": 4, "K_BLOCKS": 2, "USE_PDL": True}
+    for norm, store, fp8 in ((False, False, False), (True, False, False), (False, True, False), (True, True, True)):
+        cache = "*fp8e4nv" if fp8 else BF16
+        types = rope | {"k_cache_ptr": cache, "v_cache_ptr": cache}
+        compile_for_hopper(
+            rotary._qk_norm_rope_kernel, types, {**heads, "HAS_NORM": norm, "STORE_KV": store, "TO_FP8": fp8}, 1
+        )
+    split = {n: BF16 for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")} | {"scale_log2": "fp32"}
+    split |= {n: I32 for n in ("page_table_ptr", "seq_lens_ptr", "kv_start_ptr")} | {"part_ptr": F32, "lse_ptr": F32}
+    split |= {n: "i32" for n in attention._decode_split_kernel.arg_names if n.startswith(("stride", "num_"))}
+    shape = {"NUM_Q_HEADS": 32, "GROUP": 4, "PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64}
+    shape |= {"MIN_SPLIT": 64, "USE_PDL": True}
+    for direct, start in ((False, False), (True, False), (False, True)):
+        consts = {**shape, "BLOCK_H": 16, "DIRECT": direct, "HAS_START": start, "DOT_F32": False, "HEADS_FIRST": True}
+        compile_for_hopper(attention._decode_split_kernel, split, consts, 4)
+    reduce = {"part_ptr": F32, "lse_ptr": F32, "out_ptr": BF16} | {n: I32 for n in ("seq_lens_ptr", "kv_start_ptr")}
+    reduce |= {"num_parts_ptr": I32} | {n: "i32" for n in ("stride_ot", "stride_oh", "num_splits", "num_cols")}
+    for cascade in (False, True):
+        consts = {k: shape[k] for k in ("NUM_Q_HEADS", "HEAD_DIM", "BLOCK_D", "BLOCK_N", "MIN_SPLIT", "USE_PDL")}
+        compile_for_hopper(
+            attention._decode_reduce_kernel, reduce, {**consts, "BLOCK_S": 32, "HAS_CASCADE": cascade}, 4
+        )
+
+
 if __name__ == "__main__":
-    for size in map(int, sys.argv[1:]):
-        compile_tp_kernels(size)
-        print(size, flush=True)
+    for arg in sys.argv[1:]:
+        if arg == "decode":
+            compile_decode_kernels()
+        else:
+            compile_tp_kernels(int(arg))
+        print(arg, flush=True)

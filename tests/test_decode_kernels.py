@@ -172,6 +172,24 @@ def test_interp_rope_only_odd_half():
     check_qk_norm_rope(2, 5, 1, 24, torch.float32, "cpu", norm=False, tol=1e-5, seed=5)
 
 
+def test_pdl_decode_kernels_compile_for_hopper():
+    """The rotary and decode attention kernels in their PDL variants (which read step inputs
+    before the wait, on branches the interpreter never compiles) build for sm_90 on the host
+    (tests/hopper_compile.py, in a process of its own: this one runs the interpreter). A v
+    branch reading a slot loaded only under STORE_KV once passed every interpreter test and
+    failed to compile on the GPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).parent / "hopper_compile.py"
+    done = subprocess.run([sys.executable, str(script), "decode"], check=False, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split() == ["decode"], done.stdout
+
+
 def test_linear_rule_declines_what_it_cannot_run():
     from nanoserve.kernels.linear import MAX_M, linear_config
 
