@@ -8,11 +8,13 @@ never builds. Prints each argument once all its kernels have compiled; a failure
 
     python tests/hopper_compile.py 2 4 8 decode
 
-Used by tests/test_tp.py and tests/test_decode_kernels.py (CPU, in CI) and by
-benchmarks/tp_session.sh's `symm` stage (the GPU image's Triton)."""
+Used by tests/test_tp.py and tests/test_decode_kernels.py (CPU, in CI, through
+`check_in_own_process`) and by benchmarks/tp_session.sh's `symm` stage (the GPU image's Triton)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -78,6 +80,15 @@ def compile_decode_kernels() -> None:
         compile_for_hopper(
             attention._decode_reduce_kernel, reduce, {**consts, "BLOCK_S": 32, "HAS_CASCADE": cascade}, 4
         )
+
+
+def check_in_own_process(*args: str) -> None:
+    """Run this script on `args` in a process of its own, without Triton's interpreter (the
+    caller's process may run it), and assert that every argument compiled."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__, *args], check=False, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split() == list(args), done.stdout
 
 
 if __name__ == "__main__":
