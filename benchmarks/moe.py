@@ -7,8 +7,8 @@ reference and against a dense MLP of the same active FLOPs.
 Shapes: qwen3-30b-a3b (H 2048, I 768, E 128, k 8), mixtral-8x7b (H 4096, I 14336, E 8, k 2)
 and one TP=2 rank of it (I 7168), bf16, random weights and router logits. For each token count
 T it prints, per layer:
-- fused: routed_moe_partials (route + fused_moe_partials, or the single launch: the layer as the
-  engine runs it; the next RMSNorm adds the slots' planes), captured in one CUDA graph over --layers layers, each with its own
+- fused: route + fused_moe_partials (the layer as the engine runs it: the next RMSNorm adds
+  the slots' planes), captured in one CUDA graph over --layers layers, each with its own
   weights (so batch-1 decode streams its experts from memory, not from L2), median of 20 replays;
 - ref: `fused_moe_reference` (eager: it reads the routing on the host, so no graph);
 - dense: gate_up GEMM [T, H] x [H, 2*k*I], SiLU-and-mul, down GEMM (cuBLAS, in a graph): the
@@ -22,10 +22,9 @@ should reach a large fraction of the dense GEMM's TFLOP/s. These are targets, no
 record measured figures in benchmarks/RESULTS.md.
 
 --tune measures, for each shape and T bucket, the block sizes of both GEMMs on each path that
-T may take (--paths: all by default; gate_up with the fallback down, then down with gate_up's
-best; the decode path's down also over depth splits; the single launch over a small grid
-around the decode path's configs), keeps the faster path, and prints its `TUNED` or
-`SINGLE_LAUNCH` entry to paste into nanoserve/kernels/moe.py. Every candidate is compiled first, in parallel worker processes
+T may take (gate_up with the fallback down, then down with gate_up's best; the decode path's
+down also over depth splits), keeps the faster path, and prints `TUNED` entries to paste into
+nanoserve/kernels/moe.py. Every candidate is compiled first, in parallel worker processes
 (--workers), so the timing loop only loads kernels from Triton's cache.
 """
 
@@ -110,7 +109,8 @@ class Layers:
     def fused(self, configs=None, path=None):
         pdl = self.w2[0].shape[2] <= MOE_PDL_MAX_INTER  # as the engine's MoE block launches them
         for w13, w2, logits in zip(self.w13, self.w2, self.logits):
-            moe.routed_moe_partials(self.hidden, logits, w13, w2, self.k, True, configs, path, pdl)
+            w, ids = moe.route(logits, self.k, True, pdl=pdl)
+            moe.fused_moe_partials(self.hidden, w13, w2, w, ids, configs=configs, path=path, pdl=pdl)
 
     def reference(self):
         w, ids = moe.route_reference(self.logits[0], self.k, True)
@@ -168,7 +168,6 @@ def grouped_candidates(T: int, k: int, E: int) -> list[moe.MoEConfig]:
     ]
 
 
-PATHS = ["decode", "single", "grouped"]
 SPLITS = (2, 4, 8)  # the decode path's depth splits tried on its best down configs
 GROUPS = (4, 8, 16)  # the grouped path's block groups tried where experts get several blocks
 GROUPS_MIN_ROWS = 256  # ... i.e. where the mean rows per expert reach this
@@ -182,24 +181,9 @@ def grouped_variants(c: moe.MoEConfig, T: int, k: int, E: int) -> list[moe.MoECo
 
 
 def paths_for(T: int, k: int, E: int) -> list[str]:
-    """The paths timed at T: decode and its single launch while the pairs are few (they read
-    an expert once per pair, grouped once per distinct expert), grouped from 9 pairs on."""
-    few = T * k <= min(moe.DECODE_MAX_PAIRS, 2 * E, moe.SINGLE_MAX_PAIRS)
-    return (["decode", "single"] if few else []) + (["grouped"] if T * k > 8 else [])
-
-
-def single_candidates(H: int, inter: int, E: int, T: int, k: int) -> list[tuple[moe.MoEConfig, moe.MoEConfig]]:
-    """Single-launch (gate_up, down) pairs: the decode path's configs at T (its tuned entry)
-    with one num_warps for both, down's column block and depth split varied, gate_up's
-    column block too: a small grid around the decode path's best, not a search of its own."""
-    up, down = moe.get_configs(H, inter, E, T, k, "decode")
-    return [
-        (
-            dataclasses.replace(up, block_n=bn13, num_warps=w),
-            dataclasses.replace(down, block_n=bn2, num_warps=w, split_k=s),
-        )
-        for w, bn13, bn2, s in itertools.product((2, 4, 8), sorted({up.block_n, 16}), (8, 16, 32), (1, 2, 4))
-    ]
+    """The paths timed at T: decode while the pairs are few (it reads an expert once per pair,
+    grouped once per distinct expert), grouped from 9 pairs on."""
+    return (["decode"] if T * k <= min(moe.DECODE_MAX_PAIRS, 2 * E) else []) + (["grouped"] if T * k > 8 else [])
 
 
 def _compile_worker(name: str, jobs: list[tuple[str, moe.MoEConfig, moe.MoEConfig]]) -> int:
@@ -211,11 +195,13 @@ def _compile_worker(name: str, jobs: list[tuple[str, moe.MoEConfig, moe.MoEConfi
     w2 = torch.empty(E, H, inter, device="cuda", dtype=DT)
     failed = 0
     for path, c13, c2 in jobs:
-        T = 4 * E if path == "grouped" else 1
+        T = 1 if path == "decode" else 4 * E
         hidden = torch.randn(T, H, device="cuda").to(DT)
-        logits = torch.randn(T, E, device="cuda")
+        w, ids = moe.route_reference(torch.randn(T, E, device="cuda"), k, True)
         try:
-            moe.routed_moe_partials(hidden, logits, w13, w2, k, True, (c13, c2), path, inter <= MOE_PDL_MAX_INTER)
+            moe.fused_moe_partials(
+                hidden, w13, w2, w, ids, configs=(c13, c2), path=path, pdl=inter <= MOE_PDL_MAX_INTER
+            )
         except OutOfResources:
             failed += 1
     torch.cuda.synchronize()
@@ -233,15 +219,12 @@ def precompile(jobs: dict[str, list], workers: int) -> None:
     )
 
 
-def tuning_jobs(name: str, tokens: list[int], paths: list[str]) -> list[tuple[str, moe.MoEConfig, moe.MoEConfig]]:
+def tuning_jobs(name: str, tokens: list[int]) -> list[tuple[str, moe.MoEConfig, moe.MoEConfig]]:
     H, inter, E, k = MODELS[name]
     jobs = set()
     for T in tokens:
-        for path in (p for p in paths_for(T, k, E) if p in paths):
+        for path in paths_for(T, k, E):
             fb13, fb2 = moe.get_configs(H, inter, E, T, k, path)
-            if path == "single":
-                jobs |= {(path, c13, c2) for c13, c2 in single_candidates(H, inter, E, T, k)}
-                continue
             if path == "decode":  # one split compiles the split variant of every down config
                 ups = decode_candidates()
                 downs = ups + [dataclasses.replace(c, split_k=SPLITS[0]) for c in ups]
@@ -252,7 +235,7 @@ def tuning_jobs(name: str, tokens: list[int], paths: list[str]) -> list[tuple[st
     return sorted(jobs, key=repr)
 
 
-def tune(name: str, T: int, n_layers: int, paths: list[str]) -> None:
+def tune(name: str, T: int, n_layers: int) -> None:
     H, inter, E, k = MODELS[name]
     n = layers_for(H, inter, E, T, k, n_layers)
     layers = Layers(H, inter, E, k, T, n)
@@ -266,14 +249,8 @@ def tune(name: str, T: int, n_layers: int, paths: list[str]) -> None:
 
     base = timed(moe.get_configs(H, inter, E, T, k), None)
     results = []
-    for path in (p for p in paths_for(T, k, E) if p in paths):
+    for path in paths_for(T, k, E):
         _, fb2 = moe.get_configs(H, inter, E, T, k, path)
-        if path == "single":
-            best13, best2 = min(single_candidates(H, inter, E, T, k), key=lambda cs: timed(cs, path))
-            us = min(timed((best13, best2), path) for _ in range(2))
-            print(f"  {name} T={T} {path}: {us:.1f} us", flush=True)
-            results.append((us, best13, best2, path))
-            continue
         options = decode_candidates() if path == "decode" else grouped_candidates(T, k, E)
         best13 = min(options, key=lambda c: timed((c, fb2), path))
         if path == "grouped":
@@ -287,13 +264,10 @@ def tune(name: str, T: int, n_layers: int, paths: list[str]) -> None:
             best2 = min([best2, *grouped_variants(best2, T, k, E)], key=lambda c: timed((best13, c), path))
         us = min(timed((best13, best2), path) for _ in range(2))
         print(f"  {name} T={T} {path}: {us:.1f} us", flush=True)
-        results.append((us, best13, best2, path))
-    if not results:  # no path of --paths runs at T
-        return
-    us, best13, best2, path = min(results, key=lambda r: r[0])
-    table = "SINGLE_LAUNCH" if path == "single" else "TUNED"
+        results.append((us, best13, best2))
+    us, best13, best2 = min(results, key=lambda r: r[0])
     print(
-        f"    {table} ({H}, {inter}, {E}, {moe._bucket(T)}): ({best13!r}, {best2!r}),  # {us:.1f} us (was {base:.1f})",
+        f"    ({H}, {inter}, {E}, {moe._bucket(T)}): ({best13!r}, {best2!r}),  # {us:.1f} us (was {base:.1f})",
         flush=True,
     )
 
@@ -305,19 +279,18 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="layers per graph at most (own weights each)")
     ap.add_argument("--no-ref", action="store_true", help="skip the torch reference")
     ap.add_argument("--tune", action="store_true", help="measure block sizes, print TUNED entries")
-    ap.add_argument("--paths", nargs="+", default=PATHS, choices=PATHS, help="--tune: the paths to time")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="--tune: compile processes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/moe.py needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | bf16", flush=True)
     if args.tune:
-        precompile({name: tuning_jobs(name, args.tokens, args.paths) for name in args.models}, args.workers)
+        precompile({name: tuning_jobs(name, args.tokens) for name in args.models}, args.workers)
     for name in args.models:
         for T in args.tokens:
             torch.cuda.empty_cache()  # the previous shape's layers are gone with its call
             if args.tune:
-                tune(name, T, args.layers, args.paths)
+                tune(name, T, args.layers)
             else:
                 bench(name, T, args.layers, not args.no_ref)
     gc.collect()  # a config that did not fit keeps its frames, and a shape's layers, in a cycle

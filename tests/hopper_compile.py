@@ -4,9 +4,9 @@ unspecialised and every pointer and stride 16-divisible, as at the engine's larg
 (ranks 0 and 1 are specialised, so TP=2 alone never compiles these paths). `decode`: the
 decode kernels that read before their PDL wait (rotary with and without its norm, K/V store
 and fp8 cache; decode split and reduce), in their PDL variants, which Triton's interpreter
-never builds. `moe`: the single-launch MoE kernel. Prints each argument once all its kernels have compiled; a failure raises.
+never builds. Prints each argument once all its kernels have compiled; a failure raises.
 
-    python tests/hopper_compile.py 2 4 8 decode moe
+    python tests/hopper_compile.py 2 4 8 decode
 
 Used by tests/test_tp.py and tests/test_decode_kernels.py (CPU, in CI, through
 `check_in_own_process`) and by benchmarks/tp_session.sh's `symm` stage (the GPU image's Triton)."""
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import triton
 from triton.backends.compiler import GPUTarget
 
-from nanoserve.kernels import all_reduce, attention, linear, moe, rotary
+from nanoserve.kernels import all_reduce, attention, linear, rotary
 
 BF16, I64, I32, F32 = "*bf16", "*i64", "*i32", "*fp32"
 
@@ -82,19 +82,6 @@ def compile_decode_kernels() -> None:
         )
 
 
-def compile_moe_kernels() -> None:
-    """The single-launch MoE kernel (spin-wait on counters, atomics with memory order) at
-    qwen3-30b-a3b's shape, unsplit and with its down product split, with PDL."""
-    types = {n: BF16 for n in ("x_ptr", "w13_ptr", "w2_ptr", "act_ptr")} | {"logits_ptr": BF16, "planes_ptr": F32}
-    types |= {"counters_ptr": I32, "ids_ptr": I32, "topk_w_ptr": F32}
-    types |= {n: "i32" for n in ("H", "I", "E", "pairs", "k_split", "split_k")}
-    types |= {n: "i32" for n in moe._single_launch_kernel.arg_names if n.startswith("stride")}
-    shape = {"K": 8, "BLOCK_E": 128, "RENORM": True, "BLOCK_N13": 8, "BLOCK_K13": 256, "STAGES13": 2}
-    shape |= {"BLOCK_N2": 16, "BLOCK_K2": 256, "STAGES2": 2, "SLEEP": True, "ROUTE": True, "USE_PDL": True}
-    for round_ in (True, False):
-        compile_for_hopper(moe._single_launch_kernel, types, {**shape, "ROUND": round_}, 4)
-
-
 def check_in_own_process(*args: str) -> None:
     """Run this script on `args` in a process of its own, without Triton's interpreter (the
     caller's process may run it), and assert that every argument compiled."""
@@ -108,8 +95,6 @@ if __name__ == "__main__":
     for arg in sys.argv[1:]:
         if arg == "decode":
             compile_decode_kernels()
-        elif arg == "moe":
-            compile_moe_kernels()
         else:
             compile_tp_kernels(int(arg))
         print(arg, flush=True)

@@ -280,71 +280,6 @@ def test_interp_partials_are_the_slots_terms(path):
         torch.testing.assert_close(planes[j], alone, atol=2e-6, rtol=1e-5)
 
 
-@interp
-@pytest.mark.parametrize("split", [1, 2, 3])
-@pytest.mark.parametrize(("T", "H", "inter", "E", "k", "skew"), INTERP_SHAPES[:3] + [(2, 40, 24, 64, 8, 0.0)])
-def test_interp_single_launch_equals_decode_path(split, T, H, inter, E, k, skew):
-    """The single launch (routing, gate_up and down in one kernel, down programs waiting on
-    their pair's counter) chooses route's experts, weights within an fp32 rounding, and gives
-    the decode path's planes for that routing (fp32, tight); it leaves its counters zero, so
-    a second launch gives the same again."""
-    args = make_inputs(T, H, inter, E, k, torch.float32, "cpu", skew=skew)
-    hidden, w13, w2 = args[:3]
-    gen = torch.Generator().manual_seed(T)
-    logits = torch.randn(T, E, generator=gen) - skew * torch.arange(E)
-    renormalize = split != 2
-    cfgs = (moe.MoEConfig(1, 16, 16, 1, 1), moe.MoEConfig(1, 16, 16, 1, 1, split_k=split))
-    routing = (torch.empty(T, k), torch.empty(T, k, dtype=torch.int32))
-    planes = moe.routed_moe_partials(hidden, logits, w13, w2, k, renormalize, cfgs, "single", routing_out=routing)
-    weights, ids = moe.route(logits, k, renormalize)
-    assert torch.equal(routing[1], ids)
-    torch.testing.assert_close(routing[0], weights, atol=1e-7, rtol=1e-6)
-    assert planes.shape == (k * split, T, H)
-    decode = moe.fused_moe_partials(hidden, w13, w2, routing[0], ids, configs=cfgs, path="decode")
-    torch.testing.assert_close(planes, decode, atol=1e-6, rtol=1e-6)
-    assert not moe._counters[hidden.device].any()
-    again = moe.routed_moe_partials(hidden, logits, w13, w2, k, renormalize, cfgs, "single")
-    assert torch.equal(again, planes)
-
-
-@interp
-def test_interp_single_launch_ties_go_to_the_lower_index():
-    T, H, inter, E, k = 3, 32, 16, 16, 8
-    hidden, w13, w2, _, _ = make_inputs(T, H, inter, E, k, torch.float32, "cpu")
-    logits = torch.randint(-2, 3, (T, E)).float()  # five values: every row ties inside its top-k
-    routing = (torch.empty(T, k), torch.empty(T, k, dtype=torch.int32))
-    moe.routed_moe_partials(hidden, logits, w13, w2, k, True, path="single", routing_out=routing)
-    assert torch.equal(routing[1], stable_top_k(logits, k))
-
-
-@interp
-def test_single_launch_rejects_what_it_cannot_run():
-    hidden, w13, w2, _, _ = make_inputs(2, 16, 8, 4, 2, torch.float32, "cpu")
-    logits = torch.randn(2, 4)
-    with pytest.raises(ValueError, match="router_logits"):
-        moe.routed_moe_partials(hidden, logits[:, :3], w13, w2, 2, True, path="single")
-    with pytest.raises(ValueError, match="top_k"):
-        moe.routed_moe_partials(hidden, logits, w13, w2, 5, True, path="single")
-    cfgs = (moe.MoEConfig(1, 16, 16, 2, 1), moe.MoEConfig(1, 16, 16, 4, 1))
-    with pytest.raises(ValueError, match="num_warps"):
-        moe.routed_moe_partials(hidden, logits, w13, w2, 2, True, cfgs, "single")
-
-
-def test_single_launch_compiles_for_hopper():
-    """The single launch's PDL variant (atomics with memory order, the spin-wait loop) builds
-    for sm_90 on the host (tests/hopper_compile.py, in a process of its own: this one may run
-    the interpreter, which never compiles it)."""
-    pytest.importorskip("triton.backends.nvidia")
-    from hopper_compile import check_in_own_process
-
-    check_in_own_process("moe")
-
-
-def test_single_launch_table_entries_share_num_warps():
-    for key, (c13, c2) in moe.SINGLE_LAUNCH.items():
-        assert c13.block_m == c2.block_m == 1 and c13.num_warps == c2.num_warps, key
-
-
 # ---------------------------------------------------------------------------------------------- GPU
 
 # token counts 1..8192 (some leaving experts empty at 128 experts), experts 8..128, top-k 1..8
@@ -370,30 +305,6 @@ def test_gpu_fused_moe_bf16_vs_twin(T, E, k):
         assert err < 1.5 * twin + 1e-3, f"{path}: kernel {err:.2e} vs twin {twin:.2e}"
     out = moe.fused_moe(*args)  # the table's / fallback's choice
     assert rel_err(out, want) < 1.5 * twin + 1e-3
-
-
-@gpu
-@pytest.mark.parametrize(("T", "E", "k"), [(T, E, k) for T in (1, 2, 3, 8) for E, k in ((8, 2), (64, 6), (128, 8))])
-def test_gpu_single_launch_vs_twin(T, E, k):
-    """The single launch in bf16: route's experts, and its error to the fp64 truth of that
-    routing near the bf16 twin's; 50 launches in a row (the counters reset by each) all give
-    the first one's planes bit for bit."""
-    H, inter = 512, 384
-    hidden, w13, w2, _, _ = make_inputs(T, H, inter, E, k, torch.bfloat16, "cuda", seed=T * 1000 + E + k)
-    logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
-    routing = (torch.empty(T, k, device="cuda"), torch.empty(T, k, dtype=torch.int32, device="cuda"))
-    out = moe.routed_moe(hidden, logits, w13, w2, k, True, path="single")
-    first = moe.routed_moe_partials(hidden, logits, w13, w2, k, True, path="single", routing_out=routing)
-    weights, ids = moe.route(logits, k, True)
-    assert torch.equal(routing[1], ids)
-    torch.testing.assert_close(routing[0], weights, atol=1e-6, rtol=1e-5)
-    want = truth(hidden, w13, w2, weights, ids)
-    twin = rel_err(moe.fused_moe_reference(hidden, w13, w2, weights, ids), want)
-    assert rel_err(out, want) < 1.5 * twin + 1e-3
-    for _ in range(50):
-        again = moe.routed_moe_partials(hidden, logits, w13, w2, k, True, path="single")
-    assert torch.equal(again, first)
-    assert not moe._counters[hidden.device].any()
 
 
 @gpu
@@ -440,28 +351,15 @@ def test_gpu_align_kernel_equals_twin(T, E, k, block_m):
 
 
 @gpu
-@pytest.mark.parametrize(
-    ("T", "E", "k", "path"),
-    [
-        (2, 128, 8, None),
-        (8, 8, 2, None),
-        (512, 128, 8, None),
-        (300, 8, 2, None),
-        (1, 128, 8, "single"),
-        (4, 8, 2, "single"),
-    ],
-)
-def test_gpu_graph_replay_bit_equal(T, E, k, path):
-    """route + fused_moe (or the single launch) captured in a CUDA graph (fails on any host
-    synchronisation), replayed on new inputs copied into the captured buffers: bit-equal to
-    eager on the same inputs."""
+@pytest.mark.parametrize(("T", "E", "k"), [(2, 128, 8), (8, 8, 2), (512, 128, 8), (300, 8, 2)])
+def test_gpu_graph_replay_bit_equal(T, E, k):
+    """route + fused_moe captured in a CUDA graph (fails on any host synchronisation), replayed
+    on new inputs copied into the captured buffers: bit-equal to eager on the same inputs."""
     H, inter = 1024, 512
     hidden, w13, w2, _, _ = make_inputs(T, H, inter, E, k, torch.bfloat16, "cuda")
     logits = torch.randn(T, E, device="cuda")
 
     def layer():
-        if path == "single":
-            return moe.routed_moe(hidden, logits, w13, w2, k, True, path="single")
         w, ids = moe.route(logits, k, True)
         return moe.fused_moe(hidden, w13, w2, w, ids)
 

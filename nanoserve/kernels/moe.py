@@ -506,16 +506,20 @@ def _grouped_down_kernel(
 
 
 @triton.jit
-def _gate_up_rows(
-    x_ptr, w_ptr, out_ptr, p, e, col_block, H, I, stride_x, stride_we, stride_wn, stride_o,
+def _decode_gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, ids_ptr, H, I, stride_x, stride_we, stride_wn, stride_o,
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Columns col_block*BLOCK_N.. of silu(gate)*up for pair p = t*k + j, whose expert is e:
+    """Program (p, n): pair p = t*k + j, columns n*BLOCK_N.. of its expert's silu(gate)*up:
     reads only that expert's rows. LOOP_STAGES > 1 pipelines the loop's loads (cp.async,
     LOOP_STAGES - 1 steps ahead: Triton pipelines a loop without a dot only when the loop
     names its stages)."""
+    pdl_start(USE_PDL)  # which rows to read comes from the route kernel
+    p = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + p).to(tl.int64)
     token = p // K
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
@@ -539,18 +543,22 @@ def _gate_up_rows(
 
 
 @triton.jit
-def _down_rows(
-    a_ptr, w_ptr, planes_ptr, p, e, weight, col_block, split, H, I, k_split, split_k, stride_a, stride_we,
-    stride_wn, stride_plane, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, A_CACHE: tl.constexpr,
+def _decode_down_kernel(
+    a_ptr, w_ptr, planes_ptr, ids_ptr, topk_w_ptr, H, I, k_split, split_k, stride_a, stride_we, stride_wn,
+    stride_plane, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Columns col_block*BLOCK_N.. of act[p] W_down^T over the depth [split*k_split,
-    (split+1)*k_split) of expert e, times `weight`, into plane j*split_k + split at row t (pair
-    p = t*k + j; planes [k*split_k, T, H], rows H apart). ROUND (unsplit): the product is
-    rounded to the dtype before the weight multiplies it, as the reference; a split's partial
-    is not (a partial product has no rounding of the reference to match). A_CACHE: act's load
-    cache modifier ("" default; ".cg" for act written by other programs of the same launch)."""
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Program (p, n, s), pair p = t*k + j: columns n*BLOCK_N.. of act[p] W_down^T over the
+    depth [s*k_split, (s+1)*k_split) of p's expert, times topk_weight[p], into plane j*split_k + s
+    at row t (planes [k*split_k, T, H], rows H apart). ROUND (unsplit): the product is rounded
+    to the dtype before the weight multiplies it, as the reference; a split's partial is not
+    (a partial product has no rounding of the reference to match). LOOP_STAGES as the gate_up
+    kernel's."""
+    pdl_start(USE_PDL)  # the expert ids and act come from the kernels before
+    p = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(2)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     ks = tl.arange(0, BLOCK_K)
     k_start = split * k_split
@@ -560,163 +568,16 @@ def _down_rows(
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
         k_ok = ks < k_end - k0
-        a = tl.load(a_ptrs, mask=k_ok, other=0.0, cache_modifier=A_CACHE).to(tl.float32)
+        a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * a[None, :], axis=1)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if ROUND:
         acc = acc.to(a_ptr.dtype.element_ty).to(tl.float32)
-    y = acc * weight
+    y = acc * tl.load(topk_w_ptr + p)
     plane = (p % K) * split_k + split
     tl.store(planes_ptr + plane * stride_plane + (p // K) * H + cols, y, mask=col_ok)
-
-
-@triton.jit
-def _decode_gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, ids_ptr, H, I, stride_x, stride_we, stride_wn, stride_o,
-    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """Program (p, n): pair p = t*k + j, columns n*BLOCK_N.. of its expert's silu(gate)*up."""
-    pdl_start(USE_PDL)  # which rows to read comes from the route kernel
-    p = tl.program_id(0).to(tl.int64)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    _gate_up_rows(
-        x_ptr, w_ptr, out_ptr, p, e, tl.program_id(1), H, I, stride_x, stride_we, stride_wn, stride_o,
-        K, BLOCK_N, BLOCK_K, LOOP_STAGES,
-    )  # fmt: skip
-
-
-@triton.jit
-def _decode_down_kernel(
-    a_ptr, w_ptr, planes_ptr, ids_ptr, topk_w_ptr, H, I, k_split, split_k, stride_a, stride_we, stride_wn,
-    stride_plane, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """Program (p, n, s): `_down_rows` of pair p, column block n, depth split s."""
-    pdl_start(USE_PDL)  # the expert ids and act come from the kernels before
-    p = tl.program_id(0).to(tl.int64)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    _down_rows(
-        a_ptr, w_ptr, planes_ptr, p, e, tl.load(topk_w_ptr + p), tl.program_id(1), tl.program_id(2), H, I,
-        k_split, split_k, stride_a, stride_we, stride_wn, stride_plane, K, BLOCK_N, BLOCK_K, ROUND, LOOP_STAGES, "",
-    )  # fmt: skip
-
-
-# ----------------------------------------------------------------------------------------------
-# single-launch path: routing, gate_up and down in one kernel
-
-
-@triton.jit
-def _route_slot(logits_ptr, t, j, E, stride_l, K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
-    """(expert, weight) of token t's j-th choice: the expert of rank j when the experts are
-    ordered by softmax probability, largest first, the lower index first among equal ones (as
-    `route`), and its probability (divided by the sum of the k chosen ones' when RENORM). The
-    rank of each expert counts those before it, CHUNK candidates at a time (a [BLOCK_E, CHUNK]
-    comparison, not BLOCK_E^2 registers); a candidate's probability is recomputed from its
-    logit with the same max and sum, so it equals the element it stands for bit for bit."""
-    CHUNK: tl.constexpr = 32 if BLOCK_E > 32 else BLOCK_E  # noqa: FURB136 - min() of constexprs is not plain Python inside a jit function
-    row = logits_ptr + t * stride_l
-    offs = tl.arange(0, BLOCK_E)
-    x = tl.load(row + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
-    top = tl.max(x, axis=0)
-    total = tl.sum(tl.exp(x - top), axis=0)
-    p = tl.where(offs < E, tl.exp(x - top) / total, -1.0)  # padded lanes rank last
-    rank = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c0 in tl.static_range(0, BLOCK_E, CHUNK):
-        oc = c0 + tl.arange(0, CHUNK)
-        xc = tl.load(row + oc, mask=oc < E, other=-float("inf")).to(tl.float32)
-        pc = tl.where(oc < E, tl.exp(xc - top) / total, -1.0)
-        before = (pc[None, :] > p[:, None]) | ((pc[None, :] == p[:, None]) & (oc[None, :] < offs[:, None]))
-        rank += tl.sum(before.to(tl.int32), axis=1)
-    mine = rank == j
-    expert = tl.sum(tl.where(mine, offs, 0), axis=0)
-    weight = tl.sum(tl.where(mine, p, 0.0), axis=0)
-    if RENORM:
-        weight = weight / tl.sum(tl.where(rank < K, p, 0.0), axis=0)
-    return expert.to(tl.int64), weight
-
-
-_PAIR_STRIDE: tl.constexpr = tl.constexpr(32)  # ints per pair's counters (done, read): a 128-byte line each
-
-
-@triton.jit
-def _nanosleep(x):
-    """Sleep ~100 ns (a hint: the hardware may cut it short); `x` only gives the asm an operand."""
-    tl.inline_asm_elementwise(
-        "nanosleep.u32 100;\n\tmov.u32 $0, 0;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _single_launch_kernel(
-    logits_ptr, x_ptr, w13_ptr, w2_ptr, act_ptr, planes_ptr, counters_ptr, ids_ptr, topk_w_ptr,
-    H, I, E, pairs, k_split, split_k, stride_l, stride_x, stride_w13e, stride_w13n, stride_act, stride_w2e,
-    stride_w2n, stride_plane,
-    K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, BLOCK_N13: tl.constexpr, BLOCK_K13: tl.constexpr,
-    STAGES13: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, STAGES2: tl.constexpr,
-    ROUND: tl.constexpr, SLEEP: tl.constexpr, ROUTE: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """One launch for the decode path's route + gate_up + down. Each program takes a ticket
-    (counters[0]) and works by it, not by its program id, so tickets follow the order programs
-    actually start: the first pairs * n13 are gate_up programs (pair = ticket % pairs, column
-    block ticket // pairs, as `_decode_gate_up_kernel`'s grid), the rest down programs (pair,
-    column block, split likewise). Every program routes its own pair from the router logits
-    (`_route_slot`; the gate_up program of column block 0 also writes the pair's expert and
-    weight to ids / topk_w, for tests). A gate_up program releases its pair's counter (done)
-    once its act columns are stored; a down program waits until all n13 of them are in
-    (SLEEP: backing off between reads, so that waiting programs leave L2 to the weights), so it
-    never reads act early, and every program it waits for took a lower ticket, so it is
-    running or done: the wait cannot deadlock. The counters return to zero for the next
-    launch without a counter of finished programs (one more atomic per program on one
-    address): the holder of the last ticket zeroes the ticket, the last of a pair's down
-    programs to pass its wait (a second counter per pair, read) zeroes the pair's two. Each
-    pair's counters sit on a 128-byte line of their own (_PAIR_STRIDE ints)."""
-    pdl_start(USE_PDL)  # logits and x come from the kernels before; the counters from the last launch
-    ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed", scope="gpu").to(tl.int64)
-    n13 = tl.cdiv(I, BLOCK_N13)
-    n_up = pairs * n13
-    n_down = tl.cdiv(H, BLOCK_N2) * split_k  # per pair
-    if ticket == n_up + pairs * n_down - 1:  # nobody takes a ticket after this one
-        tl.atomic_xchg(counters_ptr, 0, sem="relaxed", scope="gpu")
-    if ticket < n_up:
-        p = ticket % pairs
-        col_block = ticket // pairs
-        if ROUTE:
-            e, weight = _route_slot(logits_ptr, p // K, p % K, E, stride_l, K, BLOCK_E, RENORM)
-            if col_block == 0:
-                tl.store(ids_ptr + p, e.to(tl.int32))
-                tl.store(topk_w_ptr + p, weight)
-        else:
-            e = tl.load(ids_ptr + p).to(tl.int64)
-        _gate_up_rows(
-            x_ptr, w13_ptr, act_ptr, p, e, col_block, H, I, stride_x, stride_w13e, stride_w13n, stride_act,
-            K, BLOCK_N13, BLOCK_K13, STAGES13,
-        )  # fmt: skip
-        tl.debug_barrier()  # every thread's act stores precede the release below
-        tl.atomic_add(counters_ptr + _PAIR_STRIDE * (1 + p), 1, sem="release", scope="gpu")
-    else:
-        d = ticket - n_up
-        p = d % pairs
-        rest = d // pairs
-        n_blocks2 = tl.cdiv(H, BLOCK_N2)
-        if ROUTE:
-            e, weight = _route_slot(logits_ptr, p // K, p % K, E, stride_l, K, BLOCK_E, RENORM)
-        else:
-            e = tl.load(ids_ptr + p).to(tl.int64)
-            weight = tl.load(topk_w_ptr + p)
-        done_ptr = counters_ptr + _PAIR_STRIDE * (1 + p)
-        while tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu") < n13:
-            if SLEEP:
-                _nanosleep(n13)
-        if tl.atomic_add(done_ptr + 1, 1, sem="relaxed", scope="gpu") == n_down - 1:  # the pair's last reader
-            tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(done_ptr + 1, 0, sem="relaxed", scope="gpu")
-        _down_rows(
-            act_ptr, w2_ptr, planes_ptr, p, e, weight, rest % n_blocks2, rest // n_blocks2, H, I, k_split, split_k,
-            stride_act, stride_w2e, stride_w2n, stride_plane, K, BLOCK_N2, BLOCK_K2, ROUND, STAGES2, ".cg",
-        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -794,138 +655,6 @@ def fused_moe_partials(
     return planes
 
 
-# Buckets where the single launch (`_single_launch_kernel`: route + gate_up + down) beat the
-# decode path's three launches (route, gate_up, down), with its configs: gate_up's, down's
-# (one launch: both num_warps equal). Measured with `python benchmarks/moe.py --tune`.
-SINGLE_LAUNCH: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {}
-ROUTE_IN_KERNEL = True
-SINGLE_MAX_PAIRS = 256  # the pair counters one launch has (T*k beyond: the other paths)
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _launch_counters(device: torch.device) -> torch.Tensor:
-    """The single launch's counters on `device` (the ticket, then each pair's), zero between
-    launches: every launch leaves them zero. Allocated on first use, which must not be inside a
-    CUDA graph capture (the zeros would be written only when the graph replays); the engine
-    runs every shape eagerly before it captures. Launches on one device never overlap (one
-    stream runs the forward), so one set serves them all."""
-    if device not in _counters:  # a tensor's device: cuda ones carry their index
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the single-launch MoE kernel ran first inside a graph capture; run it eagerly first")
-        _counters[device] = torch.zeros(_PAIR_STRIDE.value * (1 + SINGLE_MAX_PAIRS), dtype=torch.int32, device=device)
-    return _counters[device]
-
-
-def single_launch_configs(H: int, inter: int, E: int, T: int, k: int) -> tuple[MoEConfig, MoEConfig]:
-    """The single launch's (gate_up, down) configs at T tokens: the nearest measured bucket's,
-    else the decode path's with down's num_warps made gate_up's (one launch has one)."""
-    if SINGLE_LAUNCH:
-        bucket = _bucket(T)
-        measured = {b: c for (h, i, e, b), c in SINGLE_LAUNCH.items() if (h, i, e) == (H, inter, E)}
-        if measured:
-            return measured[min(measured, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))]
-    cfg13, cfg2 = get_configs(H, inter, E, T, k, "decode")
-    return cfg13, replace(cfg2, num_warps=cfg13.num_warps)
-
-
-def routed_moe_partials(
-    hidden: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    configs: tuple[MoEConfig, MoEConfig] | None = None,
-    path: str | None = None,
-    pdl: bool = True,
-    routing_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """`fused_moe_partials` of `route`'s choice for router_logits [T, E]: route + fused_moe_partials,
-    or, on path "single" (None: where `SINGLE_LAUNCH` measured it faster for T's bucket), both
-    in one launch. The single launch routes each pair inside the kernel, as `route` does (same
-    experts; weights within an fp32 rounding: its sums run in another order); `routing_out`
-    (weights fp32 [T, k], ids int32 [T, k]) receives its routing (tests)."""
-    T, H = hidden.shape
-    E, inter = w13.shape[0], w2.shape[2]
-    if (
-        path is None
-        and configs is None
-        and T * top_k <= SINGLE_MAX_PAIRS
-        and (H, inter, E, _bucket(T)) in SINGLE_LAUNCH
-    ):
-        path = "single"
-    if path != "single":
-        weights, ids = route(router_logits, top_k, renormalize, pdl=pdl)
-        if routing_out is not None:
-            routing_out[0].copy_(weights)
-            routing_out[1].copy_(ids)
-        return fused_moe_partials(hidden, w13, w2, weights, ids, configs, path, pdl)
-    return _single_launch(hidden, router_logits, w13, w2, top_k, renormalize, configs, pdl, routing_out)
-
-
-def _single_launch(hidden, router_logits, w13, w2, top_k, renormalize, configs, pdl, routing_out) -> torch.Tensor:
-    _check_device(hidden, "fused_moe")
-    T, H = hidden.shape
-    E, inter = w13.shape[0], w2.shape[2]
-    if router_logits.shape != (T, E) or router_logits.stride(1) != 1:
-        raise ValueError(f"routed_moe: router_logits must be [T, E] = [{T}, {E}] with a dense last dim")
-    if not 1 <= top_k <= E:
-        raise ValueError(f"route: top_k {top_k} must be in 1..{E} (the number of experts)")
-    pairs = T * top_k
-    if pairs > SINGLE_MAX_PAIRS:
-        raise ValueError(f"the single-launch path takes at most {SINGLE_MAX_PAIRS} (token, expert) pairs, not {pairs}")
-    if ROUTE_IN_KERNEL:
-        ids = torch.empty(T, top_k, dtype=torch.int32, device=hidden.device)
-        weights = torch.empty(T, top_k, dtype=torch.float32, device=hidden.device)
-    else:
-        weights, ids = route(router_logits, top_k, renormalize, pdl=pdl)
-    # the shapes' checks of the other paths (ids and weights stand in for the routing)
-    _check_args(hidden, w13, w2, weights, ids)
-    if hidden.stride(1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
-        raise ValueError("fused_moe needs hidden with a dense last dim and contiguous w13, w2")
-    cfg13, cfg2 = configs or (_for_dtype(c, hidden.dtype) for c in single_launch_configs(H, inter, E, T, top_k))
-    if cfg13.num_warps != cfg2.num_warps:
-        raise ValueError(f"one launch has one num_warps: gate_up {cfg13.num_warps}, down {cfg2.num_warps}")
-    split = cfg2.split_k
-    planes = torch.empty(top_k * split, T, H, dtype=torch.float32, device=hidden.device)
-    if T:
-        act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
-        k_split = triton.cdiv(triton.cdiv(inter, split), cfg2.block_k) * cfg2.block_k
-        total = pairs * (triton.cdiv(inter, cfg13.block_n) + triton.cdiv(H, cfg2.block_n) * split)
-        _single_launch_kernel[(total,)](
-            router_logits, hidden, w13, w2, act, planes, _launch_counters(hidden.device), ids, weights,
-            H, inter, E, pairs, k_split, split, router_logits.stride(0), hidden.stride(0), w13.stride(0),
-            w13.stride(1), act.stride(0), w2.stride(0), w2.stride(1), T * H,
-            K=top_k, BLOCK_E=triton.next_power_of_2(E), RENORM=renormalize, BLOCK_N13=cfg13.block_n,
-            BLOCK_K13=cfg13.block_k, STAGES13=cfg13.num_stages, BLOCK_N2=cfg2.block_n, BLOCK_K2=cfg2.block_k,
-            STAGES2=cfg2.num_stages, ROUND=split == 1, SLEEP=not INTERPRET, ROUTE=ROUTE_IN_KERNEL, num_warps=cfg13.num_warps,
-            num_stages=max(cfg13.num_stages, cfg2.num_stages), **launch_options(hidden.device, pdl),
-        )  # fmt: skip
-    if routing_out is not None:
-        routing_out[0].copy_(weights)
-        routing_out[1].copy_(ids)
-    return planes
-
-
-def routed_moe(
-    hidden: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    configs: tuple[MoEConfig, MoEConfig] | None = None,
-    path: str | None = None,
-    out: torch.Tensor | None = None,
-    pdl: bool = True,
-) -> torch.Tensor:
-    """As `fused_moe` of `route`'s choice: `routed_moe_partials`' planes added in plane order
-    in fp32 and rounded once (into `out` when given)."""
-    planes = routed_moe_partials(hidden, router_logits, w13, w2, top_k, renormalize, configs, path, pdl)
-    return _sum_into(planes, hidden, out, pdl)
-
-
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -941,10 +670,6 @@ def fused_moe(
     reduce slot), in Triton: `fused_moe_partials`' planes added in plane order in fp32 and
     rounded once, as the reference rounds its fp32 sum once."""
     planes = fused_moe_partials(hidden, w13, w2, topk_weights, topk_ids, configs, path, pdl)
-    return _sum_into(planes, hidden, out, pdl)
-
-
-def _sum_into(planes: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor | None, pdl: bool) -> torch.Tensor:
     if out is None:
         out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     elif out.shape != hidden.shape or out.stride(1) != 1:

@@ -6,8 +6,7 @@ expert) and the map from a checkpoint's per-expert tensors to the stacked ones.
 Layout: every expert's gate and up rows are stacked into `experts.w13` [E, 2*I, H] (gate rows
 first, then up rows) and its down projection into `experts.w2` [E, H, I], so that one grouped
 kernel (nanoserve/kernels/moe.py) reads any expert by index. On CUDA the router's top-k and the
-experts run the fused Triton kernels (`routed_moe`: `route` + `fused_moe`, or both in one launch at
-small batches; `triton_ops` off: their torch
+experts run the fused Triton kernels (`route`, `fused_moe`; `triton_ops` off: their torch
 twins, the experts as a graph-safe sum over every expert); on CPU the torch references. Checkpoint tensors arrive one
 expert at a time (`shard_id` "gate:e", "up:e", "down:e") and are written into their expert's
 rows as they stream in.
@@ -162,12 +161,12 @@ class SparseMoE(_SwitchedLayer):
         w13, w2 = self.experts.w13, self.experts.w2
         if x.is_cuda and switches.triton_ops:  # the fused Triton kernels: no host sync, graph-safe
             pdl = switches.pdl and self.experts.shard <= MOE_PDL_MAX_INTER
-            routing = (logits, w13, w2, self.top_k, self.renormalize)
+            weights, ids = moe_kernels.route(logits, self.top_k, self.renormalize, pdl=pdl)
             if self.shared_expert is None:
                 if self.tp.size == 1 and switches.split_sum_in_norm:  # the next norm adds the terms
-                    return SplitKPartials(moe_kernels.routed_moe_partials(x, *routing, pdl=pdl))
-                return moe_kernels.routed_moe(x, *routing, out=self._reduce_slot(x), pdl=pdl)
-            out = moe_kernels.routed_moe(x, *routing, pdl=pdl)
+                    return SplitKPartials(moe_kernels.fused_moe_partials(x, w13, w2, weights, ids, pdl=pdl))
+                return moe_kernels.fused_moe(x, w13, w2, weights, ids, out=self._reduce_slot(x), pdl=pdl)
+            out = moe_kernels.fused_moe(x, w13, w2, weights, ids, pdl=pdl)
         else:  # slow twins: the loop over chosen experts on CPU, the graph-safe every-expert sum on CUDA
             weights, ids = moe_kernels.route_reference(logits, self.top_k, self.renormalize)
             out = (_moe_every_expert if x.is_cuda else moe_kernels.fused_moe_reference)(x, w13, w2, weights, ids)
