@@ -194,6 +194,135 @@ def test_interp_fp8_cache(decode):
     check(case, tol=1e-2)
 
 
+def rope_in_decode(case: Case, num_splits: int, norm: bool, seed: int = 0, pad_last: bool = False):
+    """The decode split kernel with `rope=` (q/k norms, rotary and the K/V store in the
+    kernel) against the rotary kernel storing K/V followed by the plain decode kernels, on
+    copies of one case: (fused out, unfused out, fused caches, unfused caches). `pad_last`:
+    the last request's slot is -1 (a padded graph row: nothing may be stored)."""
+    from nanoserve.kernels import attention as tk
+    from nanoserve.kernels import rotary
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, meta = case.q, case.k, case.v, case.meta
+    batch, num_q_heads, head_dim = q.shape
+    positions = (meta.seq_lens - 1).to(torch.int64)
+    freqs = torch.outer(
+        torch.arange(meta.max_seq_len + 1, dtype=torch.float32),
+        1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim),
+    )
+    cos, sin = freqs.cos().to(q.device), freqs.sin().to(q.device)
+    weights = (None, None)
+    if norm:
+        weights = tuple((1 + 0.3 * torch.randn(head_dim, generator=gen)).to(q.device, q.dtype) for _ in range(2))
+    slots = meta.slot_mapping.clone()
+    if pad_last:
+        slots[-1] = -1
+    caches = {name: (case.k_cache.clone(), case.v_cache.clone()) for name in ("fused", "unfused")}
+    ws = torch.empty(tk.workspace_numel(batch, num_q_heads, head_dim, num_splits), device=q.device)
+    kc, vc = caches["unfused"]
+    q_rot, _ = rotary.qk_norm_rope(positions, q, k, cos, sin, *weights, eps=1e-6, kv_store=(v, kc, vc, slots))
+    args = (meta.page_table, meta.seq_lens, case.scale, num_splits)
+    unfused = tk.paged_decode(q_rot, kc, vc, *args, ws, torch.empty_like(q_rot))
+    kc, vc = caches["fused"]
+    rope = tk.RopeInputs(k, v, slots, positions, cos, sin, *weights, eps=1e-6)
+    fused = tk.paged_decode(q, kc, vc, *args, ws.clone(), torch.empty_like(q_rot), rope=rope)
+    return fused, unfused, caches["fused"], caches["unfused"]
+
+
+@interp
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize(("num_splits", "page_size"), [(1, 4), (3, 1), (4, 4)])
+def test_interp_decode_rope_in_split_kernel(norm, num_splits, page_size):
+    """fp32: the new token at positions that fall in the first, a middle and the last split
+    (16-token splits under the interpreter), GQA groups of 3; the fused kernel's caches and
+    output match the rotary kernel + decode to summation-order noise, and a padded row
+    (slot -1) leaves the caches as they were."""
+    lens = [1, 16, 20, 32, 37, 50, 3]
+    case = make_case([(n - 1, 1) for n in lens], 6, 2, 32, page_size, torch.float32, "cpu", seed=7, decode=True)
+    fused, unfused, (kc, vc), (kc_ref, vc_ref) = rope_in_decode(case, num_splits, norm, pad_last=True)
+    assert not torch.isnan(fused).any()
+    torch.testing.assert_close(kc, kc_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(vc, vc_ref, atol=0, rtol=0)
+    torch.testing.assert_close(fused, unfused, atol=1e-5, rtol=1e-4)
+    kept = case.meta.slot_mapping[-1]
+    flat = kc.view(-1, *kc.shape[2:])
+    assert (flat[kept] == POISON).all(), "a padded row's K was stored"
+
+
+@interp
+def test_interp_decode_rope_bf16_fp8_cache():
+    """bf16 q/k/v into an fp8 cache: stored K within one fp8 step of the rotary kernel's, and
+    the output as close as bf16 allows."""
+    lens = [9, 40, 3]
+    case = make_case(
+        [(n - 1, 1) for n in lens], 4, 2, 32, 4, torch.bfloat16, "cpu", seed=5, decode=True,
+        cache_dtype=torch.float8_e4m3fn,
+    )  # fmt: skip
+    fused, unfused, (kc, vc), (kc_ref, vc_ref) = rope_in_decode(case, 2, True)
+    assert torch.equal(vc.float(), vc_ref.float())
+    torch.testing.assert_close(kc.float(), kc_ref.float(), atol=0.07, rtol=0.07)
+    assert rel_err(fused, unfused) < 2e-2
+
+
+@interp
+@torch.inference_mode()
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_interp_model_decode_with_rope_in_attention(tmp_path, arch):
+    """A tiny model's decode forward with the switch on (the layers leave q/k unrotated and
+    the Triton decode kernel rotates and stores, under the interpreter) equals the torch
+    backend's forward on the same caches: hidden states, and the K/V written to the new
+    tokens' slots. Qwen3 has the per-head q/k norms, Llama not."""
+    from nanoserve import LLM
+    from nanoserve.attention.base import ForwardBatch
+    from nanoserve.attention.triton_backend import TritonAttentionBackend
+    from nanoserve.switches import KernelSwitches
+    from tests.test_piecewise_graph import make_batch
+    from tests.tiny import make_tiny_model
+
+    llm = LLM(str(make_tiny_model(tmp_path / arch, arch)), device="cpu", dtype="float32", kv_cache_tokens=1024)
+    runner = llm.engine.runner
+    for cache in (*runner.kv_cache.k, *runner.kv_cache.v):
+        cache.normal_()  # the cached prefixes: anything, as long as both runs read the same
+    for layer in runner.model.layers:  # q and k norms that differ, so that a swap shows
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            if norm is not None:
+                norm.weight.normal_(1.0, 0.3)
+    batch = make_batch([1, 1, 1], [4, 17, 30], runner.page_size, seed=3)
+    batch.is_decode = True  # one new token per request, as the scheduler marks a decode step
+    inputs = runner.prepare(batch, [0, 1, 2])
+    assert inputs.meta.is_decode
+    fused = TritonAttentionBackend(switches=KernelSwitches(rope_in_attention=True))
+    results = []
+    for backend in (TorchAttentionBackend(), fused):
+        k, v = [c.clone() for c in runner.kv_cache.k], [c.clone() for c in runner.kv_cache.v]
+        backend.prepare(inputs.meta)
+        hidden = runner.model(inputs.input_ids, inputs.positions, ForwardBatch(inputs.meta, backend, k, v))
+        results.append((hidden, k, v))
+    assert fused.fuses_rotary(inputs.meta)
+    assert not TritonAttentionBackend().fuses_rotary(inputs.meta)  # the switch is off by default
+    (want, k_want, v_want), (got, k_got, v_got) = results
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    for a, b in zip(k_got + v_got, k_want + v_want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_decode_rope_refuses_a_cascade():
+    from nanoserve.kernels import attention as tk
+
+    with pytest.raises(ValueError, match="cascade"):
+        x = torch.zeros(1, 2, 8)
+        cache = torch.zeros(2, 4, 2, 8)
+        cascade = tk.CascadeInputs(
+            *(torch.zeros(1, dtype=torch.int32) for _ in range(3)), torch.zeros(1, 6, dtype=torch.int32)
+        )
+        rope = tk.RopeInputs(
+            x, x, torch.zeros(1), torch.zeros(1), torch.zeros(4, 4), torch.zeros(4, 4), None, None, 1e-6
+        )
+        tk.paged_decode(
+            x, cache, cache, torch.zeros(1, 2), torch.ones(1), 1.0, 1, torch.zeros(1000), x, cascade, rope=rope
+        )
+
+
 @interp
 def test_interp_extend_with_prefix():
     # prefixes under ragged new-token counts; new lengths cross several 16-row tiles
@@ -366,6 +495,27 @@ def test_engine_matches_torch_backend_on_gpu(tmp_path, page_size):
         "enforce_eager": True,
     }
     assert engine_tokens(path, "triton", "cuda", **args) == engine_tokens(path, "torch", "cuda", **args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize(("heads", "norm"), [((32, 8), False), ((16, 8), True), ((32, 4), True)])
+def test_decode_rope_in_split_kernel_gpu(heads, norm, cache_dtype):
+    """bf16 on the GPU, model-like heads (llama-3.1-8b; qwen3-0.6b and qwen3-30b-a3b with their
+    q/k norms), contexts over one and many splits: the split kernel's own rotary and K/V store
+    against the rotary kernel + decode (caches within one rounding step, outputs within bf16)."""
+    lens = [1, 63, 64, 65, 300, 1000, 4097]
+    case = make_case(
+        [(n - 1, 1) for n in lens], *heads, 128, 16, torch.bfloat16, "cuda", seed=11, decode=True,
+        cache_dtype=cache_dtype,
+    )  # fmt: skip
+    for splits in (1, 8, 32):
+        fused, unfused, (kc, vc), (kc_ref, vc_ref) = rope_in_decode(case, splits, norm, pad_last=True)
+        assert not torch.isnan(fused).any()
+        assert torch.equal(vc.float(), vc_ref.float())
+        step = 0.15 if cache_dtype else 0.02  # one rounding step of the cache's format, relative
+        torch.testing.assert_close(kc.float(), kc_ref.float(), atol=0.02, rtol=step)
+        assert rel_err(fused, unfused) < 1e-2, splits
 
 
 @gpu

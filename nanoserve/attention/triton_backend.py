@@ -1,7 +1,8 @@
 """Triton attention backend: the fast path on CUDA (kernels in triton_kernels.py).
 
 Owns: the choice of kernel per batch (decode, cascade decode when the metadata carries a
-cascade plan, extend with prefix, FA2 for prefix-free prefill), the decode split count, and
+cascade plan, extend with prefix, FA2 for prefix-free prefill; decode batches may also take
+q and k unrotated, `forward_rotating`), the decode split count, and
 the decode workspace. A mixed batch runs two calls per layer on row slices into one output:
 its decode rows through the decode kernel, its prompt rows through extend (or FA2).
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.attention.base import AttentionBackend, AttentionMetadata
+from nanoserve.attention.base import AttentionBackend, AttentionMetadata, RotarySpec
 from nanoserve.kernels import attention as tk
 from nanoserve.kernels.attention import MAX_CASCADE_PARTS
 from nanoserve.switches import KernelSwitches
@@ -125,6 +126,22 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------------- forward
 
+    def fuses_rotary(self, meta: AttentionMetadata) -> bool:
+        """A decode batch without a cascade, with the `rope_in_attention` switch: the decode
+        split kernel rotates q and k and stores K/V (`paged_decode(rope=...)`)."""
+        return self.switches.rope_in_attention and meta.is_decode and meta.cascade is None
+
+    def forward_rotating(self, q, k, v, k_cache, v_cache, meta, scale, rotary: RotarySpec) -> torch.Tensor:
+        if not self.fuses_rotary(meta):
+            raise ValueError("forward_rotating: only a decode batch without a cascade, with rope_in_attention on")
+        rope = tk.RopeInputs(
+            k, v, meta.slot_mapping, rotary.positions, rotary.cos, rotary.sin,
+            rotary.q_norm_weight, rotary.k_norm_weight, rotary.eps,
+        )  # fmt: skip
+        return self._decode(
+            q, k_cache, v_cache, meta, scale, torch.empty_like(q, memory_format=torch.contiguous_format), rope
+        )
+
     def store_kv(self, k_cache, v_cache, k, v, slot_mapping):
         tk.store_kv(k_cache, v_cache, k, v, slot_mapping, pdl=self.switches.pdl)
 
@@ -152,27 +169,7 @@ class TritonAttentionBackend(AttentionBackend):
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if meta.is_decode:
-            batch, num_q_heads, head_dim = q.shape
-            num_kv_heads = k_cache.shape[2]
-            splits = self.decode_num_splits(batch, num_kv_heads, meta.max_seq_len, q.device)
-            cols = self.decode_num_cols(splits, meta.cascade is not None)
-            ws = None
-            if cols > 1:
-                ws = self._get_workspace(tk.workspace_numel(batch, num_q_heads, head_dim, cols), q.device)
-            return tk.paged_decode(
-                q,
-                k_cache,
-                v_cache,
-                meta.page_table,
-                meta.seq_lens,
-                scale,
-                splits,
-                ws,
-                out,
-                meta.cascade,
-                heads_first=self.switches.decode_heads_first,
-                pdl=self.switches.pdl,
-            )
+            return self._decode(q, k_cache, v_cache, meta, scale, out)
         return tk.paged_extend(
             q,
             k,
@@ -185,6 +182,30 @@ class TritonAttentionBackend(AttentionBackend):
             meta.max_query_len,
             scale,
             out,
+        )
+
+    def _decode(self, q, k_cache, v_cache, meta, scale, out, rope: tk.RopeInputs | None = None) -> torch.Tensor:
+        batch, num_q_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        splits = self.decode_num_splits(batch, num_kv_heads, meta.max_seq_len, q.device)
+        cols = self.decode_num_cols(splits, meta.cascade is not None)
+        ws = None
+        if cols > 1:
+            ws = self._get_workspace(tk.workspace_numel(batch, num_q_heads, head_dim, cols), q.device)
+        return tk.paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            meta.page_table,
+            meta.seq_lens,
+            scale,
+            splits,
+            ws,
+            out,
+            meta.cascade,
+            heads_first=self.switches.decode_heads_first,
+            pdl=self.switches.pdl,
+            rope=rope,
         )
 
 
