@@ -150,7 +150,7 @@ class AttentionBackend(ABC):
         """Attention of q over the cache after storing k/v (unless `kv_stored`: already done)."""
 
     def fuses_rotary(self, meta: AttentionMetadata) -> bool:
-        """Whether `forward_rotating` takes this batch (prepared): none by default."""
+        """Whether `forward_rotating` takes this batch: none by default."""
         return False
 
     def forward_rotating(

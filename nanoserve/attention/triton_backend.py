@@ -2,9 +2,9 @@
 
 Owns: the choice of kernel per batch (decode, cascade decode when the metadata carries a
 cascade plan, extend with prefix, FA2 for prefix-free prefill; decode batches may also take
-q and k unrotated, `forward_rotating`), the decode split count, and
-the decode workspace. A mixed batch runs two calls per layer on row slices into one output:
-its decode rows through the decode kernel, its prompt rows through extend (or FA2).
+q and k unrotated, `forward_rotating`), the decode split count, and the decode workspace. A
+mixed batch runs two calls per layer on row slices into one output: its decode rows through
+the decode kernel, its prompt rows through extend (or FA2).
 
 Invariants:
 - `prepare(meta)` reads host ints only (batch size, max lengths, whether any prefix exists)
