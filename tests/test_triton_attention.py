@@ -276,8 +276,7 @@ def test_interp_model_decode_with_rope_in_attention(tmp_path, arch):
     from nanoserve.attention.base import ForwardBatch
     from nanoserve.attention.triton_backend import TritonAttentionBackend
     from nanoserve.switches import KernelSwitches
-    from tests.test_piecewise_graph import make_batch
-    from tests.tiny import make_tiny_model
+    from tests.tiny import make_batch, make_tiny_model
 
     llm = LLM(str(make_tiny_model(tmp_path / arch, arch)), device="cpu", dtype="float32", kv_cache_tokens=1024)
     runner = llm.engine.runner
@@ -287,9 +286,7 @@ def test_interp_model_decode_with_rope_in_attention(tmp_path, arch):
         for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
             if norm is not None:
                 norm.weight.normal_(1.0, 0.3)
-    batch = make_batch([1, 1, 1], [4, 17, 30], runner.page_size, seed=3)
-    batch.is_decode = True  # one new token per request, as the scheduler marks a decode step
-    inputs = runner.prepare(batch, [0, 1, 2])
+    inputs = runner.prepare(make_batch([1, 1, 1], [4, 17, 30], runner.page_size, seed=3, is_decode=True), [0, 1, 2])
     assert inputs.meta.is_decode
     fused = TritonAttentionBackend(switches=KernelSwitches(rope_in_attention=True))
     results = []
