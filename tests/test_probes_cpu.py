@@ -3,6 +3,9 @@ engine change that renames what they wrap fails here rather than on a GPU machin
 
 - `benchmarks/probes/profile_offline.py --smoke`: wraps `LLMEngine._forward` per step;
 - `benchmarks/probes/host_overhead.py`: stubs the forward and times the engine's phases.
+
+And `benchmarks/latency.py`'s runs, on a tiny model: each prefills its whole prompt (until
+2026-11-27 every run re-sent the warm-up's prompt and its TTFT timed a prefix-cache hit).
 """
 
 from __future__ import annotations
@@ -36,3 +39,20 @@ def test_probe_runs_on_cpu(probe, args, expected):
     out = run_probe(probe, *args)
     missing = [line for line in expected if line not in out]
     assert not missing, f"{probe} printed no {missing}:\n{out[-2000:]}"
+
+
+def test_latency_runs_prefill_their_whole_prompt(tmp_path):
+    """latency.py's warm-up and timed runs, as its main() sends them, on a tiny qwen3 (prefix
+    cache on, as by default): no prompt token is ever found in the cache."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from latency import fresh_prompt, one_run
+
+    from nanoserve import LLM
+    from tests.tiny import VOCAB, make_tiny_model
+
+    llm = LLM(str(make_tiny_model(tmp_path / "qwen3", "qwen3")), device="cpu", dtype="float32", max_model_len=1024)
+    assert llm.config.enable_prefix_caching
+    for run in range(3):
+        one_run(llm.engine, [t % VOCAB for t in fresh_prompt(run)], f"r{run}")
+    stats = llm.stats()
+    assert stats["prefix_cache_query_tokens"] > 0 and stats["prefix_cache_hit_tokens"] == 0, stats
