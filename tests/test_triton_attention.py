@@ -224,7 +224,7 @@ def rope_in_decode(case: Case, num_splits: int, norm: bool, seed: int = 0, pad_l
     args = (meta.page_table, meta.seq_lens, case.scale, num_splits)
     unfused = tk.paged_decode(q_rot, kc, vc, *args, ws, torch.empty_like(q_rot))
     kc, vc = caches["fused"]
-    rope = tk.RopeInputs(k, v, slots, positions, cos, sin, *weights, eps=1e-6)
+    rope = tk.RopeInputs(tk.RotarySpec(positions, cos, sin, *weights, eps=1e-6), k, v, slots)
     fused = tk.paged_decode(q, kc, vc, *args, ws.clone(), torch.empty_like(q_rot), rope=rope)
     return fused, unfused, caches["fused"], caches["unfused"]
 
@@ -312,9 +312,8 @@ def test_decode_rope_refuses_a_cascade():
         cascade = tk.CascadeInputs(
             *(torch.zeros(1, dtype=torch.int32) for _ in range(3)), torch.zeros(1, 6, dtype=torch.int32)
         )
-        rope = tk.RopeInputs(
-            x, x, torch.zeros(1), torch.zeros(1), torch.zeros(4, 4), torch.zeros(4, 4), None, None, 1e-6
-        )
+        rotary = tk.RotarySpec(torch.zeros(1), torch.zeros(4, 4), torch.zeros(4, 4), None, None, 1e-6)
+        rope = tk.RopeInputs(rotary, x, x, torch.zeros(1))
         tk.paged_decode(
             x, cache, cache, torch.zeros(1, 2), torch.ones(1), 1.0, 1, torch.zeros(1000), x, cascade, rope=rope
         )

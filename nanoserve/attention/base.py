@@ -35,21 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.kernels.attention import CascadeInputs
-
-
-@dataclass
-class RotarySpec:
-    """What a backend needs to apply a layer's rotary embedding itself (`forward_rotating`):
-    the new tokens' positions [T], fp32 cos/sin tables [max_positions, head_dim/2], and
-    Qwen3's per-head q/k norm weights [head_dim] (None: no norm), both with `eps`."""
-
-    positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    q_norm_weight: torch.Tensor | None
-    k_norm_weight: torch.Tensor | None
-    eps: float
+from nanoserve.kernels.attention import CascadeInputs, RotarySpec
 
 
 @dataclass

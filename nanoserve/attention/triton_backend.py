@@ -134,10 +134,7 @@ class TritonAttentionBackend(AttentionBackend):
     def forward_rotating(self, q, k, v, k_cache, v_cache, meta, scale, rotary: RotarySpec) -> torch.Tensor:
         if not self.fuses_rotary(meta):
             raise ValueError("forward_rotating: only a decode batch without a cascade, with rope_in_attention on")
-        rope = tk.RopeInputs(
-            k, v, meta.slot_mapping, rotary.positions, rotary.cos, rotary.sin,
-            rotary.q_norm_weight, rotary.k_norm_weight, rotary.eps,
-        )  # fmt: skip
+        rope = tk.RopeInputs(rotary, k, v, meta.slot_mapping)
         return self._decode(
             q, k_cache, v_cache, meta, scale, torch.empty_like(q, memory_format=torch.contiguous_format), rope
         )

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.launch import INTERPRET, launch_options, pdl_start
+from nanoserve.kernels.rotary import _to_cache
 
 LOG2E = 1.4426950408889634
 
@@ -65,21 +66,29 @@ class CascadeInputs:
 
 
 @dataclass
-class RopeInputs:
-    """What `paged_decode` needs to do the rotary kernel's work itself (`rope=`): q given to it
-    unrotated, and the new token's k and v [B, Hk, D] (dense last dim) with its cache slots
-    [B] (negative: not stored), positions [B], the fp32 cos/sin tables [max_positions, D/2],
-    and Qwen3's per-head q/k norm weights [D] (None: no norm) with their eps."""
+class RotarySpec:
+    """A layer's rotary work for the new tokens: their positions [T], fp32 cos/sin tables
+    [max_positions, head_dim/2], and Qwen3's per-head q/k norm weights [head_dim] (None: no
+    norm), both with `eps`."""
 
-    k: torch.Tensor
-    v: torch.Tensor
-    slot_mapping: torch.Tensor
     positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
+    q_norm_weight: torch.Tensor | None
+    k_norm_weight: torch.Tensor | None
     eps: float
+
+
+@dataclass
+class RopeInputs:
+    """What `paged_decode` needs to do the rotary kernel's work itself (`rope=`), q given to
+    it unrotated: the rotary work, and the new token's k and v [B, Hk, D] (dense last dim)
+    with its cache slots [B] (negative: not stored)."""
+
+    rotary: RotarySpec
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 # Triton's interpreter runs each program in numpy: small blocks keep CPU tests fast and make
@@ -568,13 +577,10 @@ def _decode_split_kernel(
             v = tl.load(v_ptr + (b64 * stride_vt + kvh * stride_vh + g * 0)[:, None] + d[None, :],
                         mask=one[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
             cache_ty = k_cache_ptr.dtype.element_ty
-            if TO_FP8:  # round to nearest even, saturating, as torch's cast and `store_kv`
-                k = k.to(tl.float32).to(cache_ty, fp_downcast_rounding="rtne")
-                v = v.to(tl.float32).to(cache_ty, fp_downcast_rounding="rtne")
             dst = kvh * HEAD_DIM + g[:, None] * 0 + d[None, :]
             one_mask = one[:, None] & d_mask[None, :]
-            tl.store(k_cache_ptr + slot * stride_kc_slot + dst, k.to(cache_ty), mask=one_mask)
-            tl.store(v_cache_ptr + slot * stride_vc_slot + dst, v.to(cache_ty), mask=one_mask)
+            tl.store(k_cache_ptr + slot * stride_kc_slot + dst, _to_cache(k, cache_ty, TO_FP8), mask=one_mask)
+            tl.store(v_cache_ptr + slot * stride_vc_slot + dst, _to_cache(v, cache_ty, TO_FP8), mask=one_mask)
             tl.debug_barrier()  # the stores precede this program's reads of the same slot
         out, m_i, l_i = _attend_tile(
             q, d, table, page, k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, start, end,
@@ -723,18 +729,19 @@ def paged_decode(
     if rope is not None:
         if cascade is not None:
             raise ValueError("paged_decode: rope= does not combine with a cascade (its prefix kernel reads q rotated)")
+        rot = rope.rotary
         if (
             rope.k.stride(2) != 1
             or rope.v.stride(2) != 1
-            or rope.cos.stride(1) != 1
-            or rope.sin.stride() != rope.cos.stride()
+            or rot.cos.stride(1) != 1
+            or rot.sin.stride() != rot.cos.stride()
         ):
             raise ValueError("paged_decode: rope= needs k, v with a dense last dim and dense cos/sin rows")
-        has_norm = rope.q_weight is not None
+        has_norm = rot.q_norm_weight is not None
         rope_args = (
-            rope.k, rope.v, rope.positions, rope.cos, rope.sin,
-            rope.q_weight if has_norm else rope.cos, rope.k_weight if has_norm else rope.cos, rope.slot_mapping,
-            rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1), rope.cos.stride(0), rope.eps,
+            rope.k, rope.v, rot.positions, rot.cos, rot.sin,
+            rot.q_norm_weight if has_norm else rot.cos, rot.k_norm_weight if has_norm else rot.cos, rope.slot_mapping,
+            rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1), rot.cos.stride(0), rot.eps,
         )  # fmt: skip
         rope_flags = {"ROPE": True, "HAS_NORM": has_norm, "TO_FP8": k_cache.element_size() == 1}
     else:  # never read
