@@ -49,9 +49,6 @@ class KernelSwitches:
     split_sum_in_norm: bool = True
     # The rotary kernel also writes the new K/V into the cache; off: attention's own store kernel.
     kv_store_in_rope: bool = True
-    # Decode batches: the attention split kernel applies the q/k norms and rotary and stores K/V (one launch less
-    # per layer); off: the rotary kernel does. Off by default until measured on a GPU (benchmarks/RESULTS.md).
-    rope_in_attention: bool = False
     # Decode attention launches the kv heads of a request next to each other; off: one head of every request first.
     decode_heads_first: bool = True
     # Triton sampler for greedy / plain-temperature batches; off: the torch path.

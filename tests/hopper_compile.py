@@ -3,8 +3,7 @@ Numbers are tensor-parallel group sizes: the TP kernels at that size. Runtime in
 unspecialised and every pointer and stride 16-divisible, as at the engine's larger ranks
 (ranks 0 and 1 are specialised, so TP=2 alone never compiles these paths). `decode`: the
 decode kernels that read before their PDL wait (rotary with and without its norm, K/V store
-and fp8 cache; decode split, with and without the rotary work (`rope=`), and reduce), in their
-PDL variants, which Triton's interpreter
+and fp8 cache; decode split and reduce), in their PDL variants, which Triton's interpreter
 never builds. Prints each argument once all its kernels have compiled; a failure raises.
 
     python tests/hopper_compile.py 2 4 8 decode
@@ -71,17 +70,9 @@ def compile_decode_kernels() -> None:
     split |= {n: "i32" for n in attention._decode_split_kernel.arg_names if n.startswith(("stride", "num_"))}
     shape = {"NUM_Q_HEADS": 32, "GROUP": 4, "PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64}
     shape |= {"MIN_SPLIT": 64, "USE_PDL": True}
-    split |= {"k_ptr": BF16, "v_ptr": BF16, "pos_ptr": I64, "cos_ptr": F32, "sin_ptr": F32, "qw_ptr": BF16}
-    split |= {"kw_ptr": BF16, "slot_ptr": I64, "eps": "fp32"} | {n: "i32" for n in ("stride_kt", "stride_kh")}
-    split |= {n: "i32" for n in ("stride_vt", "stride_vh", "stride_cos")}
     for direct, start in ((False, False), (True, False), (False, True)):
         consts = {**shape, "BLOCK_H": 16, "DIRECT": direct, "HAS_START": start, "DOT_F32": False, "HEADS_FIRST": True}
         compile_for_hopper(attention._decode_split_kernel, split, consts, 4)
-    for direct, norm, fp8 in ((False, True, False), (True, False, False), (False, True, True)):  # rope= variants
-        consts = {**shape, "BLOCK_H": 16, "DIRECT": direct, "HAS_START": False, "DOT_F32": False, "HEADS_FIRST": True}
-        consts |= {"ROPE": True, "HAS_NORM": norm, "TO_FP8": fp8}
-        cache = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"} if fp8 else {}
-        compile_for_hopper(attention._decode_split_kernel, split | cache, consts, 4)
     reduce = {"part_ptr": F32, "lse_ptr": F32, "out_ptr": BF16} | {n: I32 for n in ("seq_lens_ptr", "kv_start_ptr")}
     reduce |= {"num_parts_ptr": I32} | {n: "i32" for n in ("stride_ot", "stride_oh", "num_splits", "num_cols")}
     for cascade in (False, True):

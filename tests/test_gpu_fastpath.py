@@ -233,29 +233,6 @@ def test_fp8_kv_cache(results):
     compare(fast, results["fast"], "fp8 vs bf16 cache", 0.0, FP8_VS_BF16_TOL)
 
 
-def test_rope_in_attention(results):
-    """`NANOSERVE_ROPE_IN_ATTENTION` (off by default): the decode split kernel rotates q and k
-    and stores K/V. Graphs + overlap against eager with the switch on (same kernels); in bf16
-    as close to fp32 as the default path; in fp32 identical to transformers."""
-    from nanoserve.switches import KernelSwitches
-
-    switches = KernelSwitches(rope_in_attention=True)
-    llm = make_llm(cuda_graph_max_bs=GRAPH_MAX_BS, switches=switches)
-    assert llm.engine.runner.backend.switches.rope_in_attention
-    fused = run(llm, PROMPTS)
-    del llm
-    eager_llm = make_llm(enforce_eager=True, overlap_schedule=False, switches=switches)
-    eager = run(eager_llm, PROMPTS)
-    del eager_llm
-    compare(fused, eager, "rope in attention: graphs+overlap vs eager", logprob_tol=SAME_KERNELS_TOL)
-    compare(fused, results["fast"], "rope in attention vs the rotary kernel", 0.0)
-    assert_as_close_to_fp32(fused, results["fast"], results["hf32"], "rope in attention vs the rotary kernel")
-    llm32 = make_llm(cuda_graph_max_bs=GRAPH_MAX_BS, dtype="float32", switches=switches)
-    fused32 = run(llm32, PROMPTS)
-    del llm32
-    compare(fused32, results["hf32"], "fp32, rope in attention: graphs+overlap vs transformers", 1.0, FP32_TOL)
-
-
 @pytest.mark.parametrize("bs", [3, 9, GRAPH_MAX_BS, GRAPH_MAX_BS + 1])
 def test_padding_near_captured_sizes(fast, eager, bs):
     prompts = make_prompts(bs, seed=100 + bs)

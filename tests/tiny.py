@@ -89,10 +89,9 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     return outs
 
 
-def make_batch(lengths: list[int], prefixes: list[int], page_size: int, seed: int, is_decode: bool = False):
+def make_batch(lengths: list[int], prefixes: list[int], page_size: int, seed: int):
     """A ScheduledBatch of requests with `prefixes[r]` tokens already in the cache and
-    `lengths[r]` new ones, on distinct pages starting at page 1 (page 0 is the reserved one);
-    `is_decode` marks it a decode step (every request one new token)."""
+    `lengths[r]` new ones, on distinct pages starting at page 1 (page 0 is the reserved one)."""
     from nanoserve import SamplingParams
     from nanoserve.kvcache.pool import PageTable
     from nanoserve.scheduler.request import Request
@@ -108,4 +107,4 @@ def make_batch(lengths: list[int], prefixes: list[int], page_size: int, seed: in
         ids = [rng.randrange(VOCAB) for _ in range(total)]
         requests.append(Request(str(r), SamplingParams(), total, ids, arrival=r, num_computed=pre, pages=pages, slot=r))
         table.assign(r, pages)
-    return ScheduledBatch(requests, list(lengths), is_decode=is_decode, page_table=table)
+    return ScheduledBatch(requests, list(lengths), is_decode=False, page_table=table)

@@ -16,8 +16,7 @@ Invariants of a batch's metadata (B requests, T new tokens in all):
   for the t-th new token, and the new K/V are written there before attention reads the
   cache: by the backend's `store_kv` inside `forward`, or, when the caller says
   `kv_stored`, already by whoever produced them through the layer's `KVSink` (the model's
-  rotary kernel on CUDA, which saves a launch per layer), or, through `forward_rotating`
-  (where `fuses_rotary`), by the backend's decode kernel that also rotates q and k;
+  rotary kernel on CUDA, which saves a launch per layer);
 - in a decode batch every request has exactly one new token (T == B);
 - a mixed batch (`num_decode_rows` = k > 0, not `is_decode`) starts with k decode rows (one
   new token each, so q rows 0..k-1); a backend may run them through its decode path and the
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.kernels.attention import CascadeInputs, RotarySpec
+from nanoserve.kernels.attention import CascadeInputs
 
 
 @dataclass
@@ -135,25 +134,6 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Attention of q over the cache after storing k/v (unless `kv_stored`: already done)."""
 
-    def fuses_rotary(self, meta: AttentionMetadata) -> bool:
-        """Whether `forward_rotating` takes this batch: none by default."""
-        return False
-
-    def forward_rotating(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        rotary: RotarySpec,
-    ) -> torch.Tensor:
-        """`forward` of q and k before their q/k norms and rotary embedding, which the backend
-        applies itself, storing the rotated k and v (only where `fuses_rotary(meta)`)."""
-        raise NotImplementedError(f"the {self.name} attention backend does not apply the rotary embedding")
-
 
 @dataclass
 class KVSink:
@@ -189,10 +169,3 @@ class ForwardBatch:
         """Layer `layer_id`'s attention; `kv_stored`: k/v went through `kv_sink(layer_id)`."""
         k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
         return self.backend.forward(q, k, v, k_cache, v_cache, self.meta, scale, kv_stored=kv_stored)
-
-    def attend_rotating(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, rotary: RotarySpec
-    ) -> torch.Tensor:
-        """Layer `layer_id`'s attention of q and k not yet rotated (`backend.fuses_rotary`)."""
-        k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
-        return self.backend.forward_rotating(q, k, v, k_cache, v_cache, self.meta, scale, rotary)

@@ -1,10 +1,9 @@
 """Triton attention backend: the fast path on CUDA (kernels in triton_kernels.py).
 
 Owns: the choice of kernel per batch (decode, cascade decode when the metadata carries a
-cascade plan, extend with prefix, FA2 for prefix-free prefill; decode batches may also take
-q and k unrotated, `forward_rotating`), the decode split count, and the decode workspace. A
-mixed batch runs two calls per layer on row slices into one output: its decode rows through
-the decode kernel, its prompt rows through extend (or FA2).
+cascade plan, extend with prefix, FA2 for prefix-free prefill), the decode split count, and
+the decode workspace. A mixed batch runs two calls per layer on row slices into one output:
+its decode rows through the decode kernel, its prompt rows through extend (or FA2).
 
 Invariants:
 - `prepare(meta)` reads host ints only (batch size, max lengths, whether any prefix exists)
@@ -22,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.attention.base import AttentionBackend, AttentionMetadata, RotarySpec
+from nanoserve.attention.base import AttentionBackend, AttentionMetadata
 from nanoserve.kernels import attention as tk
 from nanoserve.kernels.attention import MAX_CASCADE_PARTS
 from nanoserve.switches import KernelSwitches
@@ -126,19 +125,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------------- forward
 
-    def fuses_rotary(self, meta: AttentionMetadata) -> bool:
-        """A decode batch without a cascade, with the `rope_in_attention` switch: the decode
-        split kernel rotates q and k and stores K/V (`paged_decode(rope=...)`)."""
-        return self.switches.rope_in_attention and meta.is_decode and meta.cascade is None
-
-    def forward_rotating(self, q, k, v, k_cache, v_cache, meta, scale, rotary: RotarySpec) -> torch.Tensor:
-        if not self.fuses_rotary(meta):
-            raise ValueError("forward_rotating: only a decode batch without a cascade, with rope_in_attention on")
-        rope = tk.RopeInputs(rotary, k, v, meta.slot_mapping)
-        return self._decode(
-            q, k_cache, v_cache, meta, scale, torch.empty_like(q, memory_format=torch.contiguous_format), rope
-        )
-
     def store_kv(self, k_cache, v_cache, k, v, slot_mapping):
         tk.store_kv(k_cache, v_cache, k, v, slot_mapping, pdl=self.switches.pdl)
 
@@ -166,7 +152,27 @@ class TritonAttentionBackend(AttentionBackend):
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if meta.is_decode:
-            return self._decode(q, k_cache, v_cache, meta, scale, out)
+            batch, num_q_heads, head_dim = q.shape
+            num_kv_heads = k_cache.shape[2]
+            splits = self.decode_num_splits(batch, num_kv_heads, meta.max_seq_len, q.device)
+            cols = self.decode_num_cols(splits, meta.cascade is not None)
+            ws = None
+            if cols > 1:
+                ws = self._get_workspace(tk.workspace_numel(batch, num_q_heads, head_dim, cols), q.device)
+            return tk.paged_decode(
+                q,
+                k_cache,
+                v_cache,
+                meta.page_table,
+                meta.seq_lens,
+                scale,
+                splits,
+                ws,
+                out,
+                meta.cascade,
+                heads_first=self.switches.decode_heads_first,
+                pdl=self.switches.pdl,
+            )
         return tk.paged_extend(
             q,
             k,
@@ -179,30 +185,6 @@ class TritonAttentionBackend(AttentionBackend):
             meta.max_query_len,
             scale,
             out,
-        )
-
-    def _decode(self, q, k_cache, v_cache, meta, scale, out, rope: tk.RopeInputs | None = None) -> torch.Tensor:
-        batch, num_q_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
-        splits = self.decode_num_splits(batch, num_kv_heads, meta.max_seq_len, q.device)
-        cols = self.decode_num_cols(splits, meta.cascade is not None)
-        ws = None
-        if cols > 1:
-            ws = self._get_workspace(tk.workspace_numel(batch, num_q_heads, head_dim, cols), q.device)
-        return tk.paged_decode(
-            q,
-            k_cache,
-            v_cache,
-            meta.page_table,
-            meta.seq_lens,
-            scale,
-            splits,
-            ws,
-            out,
-            meta.cascade,
-            heads_first=self.switches.decode_heads_first,
-            pdl=self.switches.pdl,
-            rope=rope,
         )
 
 

@@ -4,8 +4,6 @@ Owns three kernels and the host functions that launch them:
 - `store_kv`: writes the new tokens' K/V rows into their cache slots (one launch per layer);
 - `paged_decode`: one query token per request over its pages; split-KV ("flash decoding")
   partial results in a caller-provided fp32 workspace, merged by a second reduce kernel;
-  optionally (`rope=`) the split kernel also does the rotary kernel's work for the new token
-  (q/k norms, rotary, K/V store), one launch less;
 - `paged_extend`: the new tokens of several requests (varlen, causal among themselves) over
   their cached prefix (read through the page table) and themselves (read from k/v directly).
 
@@ -41,7 +39,6 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.launch import INTERPRET, launch_options, pdl_start
-from nanoserve.kernels.rotary import _to_cache
 
 LOG2E = 1.4426950408889634
 
@@ -63,32 +60,6 @@ class CascadeInputs:
     num_parts: torch.Tensor  # [B] partial results the prefix pass gives request b
     members: torch.Tensor  # [B] batch rows, each group's members contiguous
     items: torch.Tensor  # [W, len(ITEM_FIELDS)] work items; unused ones have count 0
-
-
-@dataclass
-class RotarySpec:
-    """A layer's rotary work for the new tokens: their positions [T], fp32 cos/sin tables
-    [max_positions, head_dim/2], and Qwen3's per-head q/k norm weights [head_dim] (None: no
-    norm), both with `eps`."""
-
-    positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    q_norm_weight: torch.Tensor | None
-    k_norm_weight: torch.Tensor | None
-    eps: float
-
-
-@dataclass
-class RopeInputs:
-    """What `paged_decode` needs to do the rotary kernel's work itself (`rope=`), q given to
-    it unrotated: the rotary work, and the new token's k and v [B, Hk, D] (dense last dim)
-    with its cache slots [B] (negative: not stored)."""
-
-    rotary: RotarySpec
-    k: torch.Tensor
-    v: torch.Tensor
-    slot_mapping: torch.Tensor
 
 
 # Triton's interpreter runs each program in numpy: small blocks keep CPU tests fast and make
@@ -315,20 +286,6 @@ def _attend_rows(
     else:
         d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    out, m_i, l_i = _attend_tile(
-        q, d, table, page, k_base, v_base, lo, hi, stride_kc_slot, stride_vc_slot, scale_log2,
-        ROWS, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
-    )  # fmt: skip
-    return out, m_i, l_i, d, d_mask
-
-
-@triton.jit
-def _attend_tile(
-    q, d, table, page, k_base, v_base, lo, hi, stride_kc_slot, stride_vc_slot, scale_log2, ROWS: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):  # fmt: skip
-    """`_attend_rows` for a query tile q [ROWS, BLOCK_D] already in registers."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -336,7 +293,7 @@ def _attend_tile(
         q, m_i, l_i, acc, table, page, k_base, v_base, lo, hi, stride_kc_slot, stride_vc_slot, d, scale_log2,
         PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
     )  # fmt: skip
-    return acc / tl.maximum(l_i, 1e-30)[:, None], m_i, l_i
+    return acc / tl.maximum(l_i, 1e-30)[:, None], m_i, l_i, d, d_mask
 
 
 # ------------------------------------------------------------------------------------ store
@@ -431,51 +388,6 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constex
     return tl.cdiv(per_split, BLOCK_N) * BLOCK_N
 
 
-@triton.jit
-def _rope_row(cos_ptr, sin_ptr, pos_ptr, b, stride_cos, d, dtype: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Request b's rotary factors over a whole head (neox, rotate-half): cos[d % half] and
-    sin[d % half] negated on the first half, rounded to dtype first as the reference rounds
-    them; and each dim's partner in the other half. A position and a table row: step input
-    and constant, so a PDL kernel reads them before its wait."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    first = d < HALF
-    partner = tl.where(first, d + HALF, d - HALF)
-    col = tl.where(first, d, d - HALF)
-    row = tl.load(pos_ptr + b).to(tl.int64) * stride_cos
-    ok = d < HEAD_DIM
-    cos = tl.load(cos_ptr + row + col, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.load(sin_ptr + row + col, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    return cos, tl.where(first, -sin, sin), partner
-
-
-@triton.jit
-def _head_norm_weight(w_ptr, d, partner, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
-    """The per-head norm weight at each dim and at its partner, fp32 (ones without a norm)."""
-    if HAS_NORM:
-        ok = d < HEAD_DIM
-        return (tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32),
-                tl.load(w_ptr + partner, mask=ok, other=0.0).to(tl.float32))  # fmt: skip
-    one = tl.full(d.shape, 1.0, tl.float32)
-    return one, one
-
-
-@triton.jit
-def _norm_rope_rows(src, rows, row_mask, w, wp, cos, sin, d, partner, eps, dtype: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):  # fmt: skip
-    """Heads at element offsets `rows` of src, each RMS-normalised over the head (HAS_NORM:
-    the normalised value rounded to dtype, times the weight, rounded, as the reference) and
-    rotated (x * cos + partner * sin, sin signed by `_rope_row`), rounded to dtype:
-    rotary.py's `_norm_rope_heads` on whole heads, each dim's partner read by a second load."""
-    mask = row_mask[:, None] & (d < HEAD_DIM)[None, :]
-    x = tl.load(src + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(src + rows[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-        x = ((x * inv).to(dtype).to(tl.float32) * w[None, :]).to(dtype).to(tl.float32)
-        xp = ((xp * inv).to(dtype).to(tl.float32) * wp[None, :]).to(dtype).to(tl.float32)
-    return (x * cos[None, :] + xp * sin[None, :]).to(dtype)
-
-
 # Ints that vary from batch to batch (page-table width, block counts) are not specialized:
 # Triton would otherwise compile a variant per value class (== 1, divisible by 16) while the
 # engine is serving.
@@ -500,20 +412,6 @@ def _decode_split_kernel(
     num_splits,
     num_cols,
     scale_log2,
-    k_ptr,
-    v_ptr,
-    pos_ptr,
-    cos_ptr,
-    sin_ptr,
-    qw_ptr,
-    kw_ptr,
-    slot_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_cos,
-    eps,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -527,9 +425,6 @@ def _decode_split_kernel(
     DOT_F32: tl.constexpr,
     USE_PDL: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
-    ROPE: tl.constexpr = False,
-    HAS_NORM: tl.constexpr = False,
-    TO_FP8: tl.constexpr = False,
 ):
     # One program = one (request, kv head, split): the GROUP query heads sharing the kv head
     # are the rows of one tile, so each K/V block is loaded once for the whole group.
@@ -537,12 +432,6 @@ def _decode_split_kernel(
     # kernel's (its group's shared prefix): the splits cover kv_start[b]..seq_len only.
     # Lengths, starts and the page table are the step's inputs (written before its first
     # kernel): read before the PDL wait, so that only q and K/V loads follow it.
-    # ROPE (`paged_decode(rope=...)`): q, k and v arrive as the qkv product left them; each
-    # program normalises (HAS_NORM) and rotates its group's q heads itself, and the program
-    # whose split holds the request's last position (the new token) also rotates its kv
-    # head's k, stores k and v into the new token's cache slot (skipped for a negative
-    # slot), and only then reads its pages: the rotary kernel's work, without its launch.
-    # Positions, slots, cos/sin rows and the norm weights are read before the PDL wait.
     b = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
     kvh = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
     split = tl.program_id(2)
@@ -559,40 +448,12 @@ def _decode_split_kernel(
     b64 = b.to(tl.int64)
     table = page_table_ptr + b64 * stride_pt
     page = _first_pages(table, start, end, PAGE_SIZE, BLOCK_N)
-    if ROPE:
-        d = tl.arange(0, BLOCK_D)
-        d_mask = d < HEAD_DIM
-        dtype = q_ptr.dtype.element_ty
-        cos, sin, partner = _rope_row(cos_ptr, sin_ptr, pos_ptr, b64, stride_cos, d, dtype, HEAD_DIM)
-        qw, qwp = _head_norm_weight(qw_ptr, d, partner, HEAD_DIM, HAS_NORM)
-        kw, kwp = _head_norm_weight(kw_ptr, d, partner, HEAD_DIM, HAS_NORM)
-        slot = tl.load(slot_ptr + b64).to(tl.int64)
-        pdl_start(USE_PDL)  # q, k and v come from the qkv product
-        q_rows = b64 * stride_qt + heads * stride_qh
-        q = _norm_rope_rows(q_ptr, q_rows, row_mask, qw, qwp, cos, sin, d, partner, eps, dtype, HEAD_DIM, HAS_NORM)
-        if (start < seq_len) & (seq_len <= start + split_len) & (slot >= 0):  # the new token is this split's
-            one = g < 1
-            k_rows = b64 * stride_kt + kvh * stride_kh + g * 0
-            k = _norm_rope_rows(k_ptr, k_rows, one, kw, kwp, cos, sin, d, partner, eps, dtype, HEAD_DIM, HAS_NORM)
-            v = tl.load(v_ptr + (b64 * stride_vt + kvh * stride_vh + g * 0)[:, None] + d[None, :],
-                        mask=one[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
-            cache_ty = k_cache_ptr.dtype.element_ty
-            dst = kvh * HEAD_DIM + g[:, None] * 0 + d[None, :]
-            one_mask = one[:, None] & d_mask[None, :]
-            tl.store(k_cache_ptr + slot * stride_kc_slot + dst, _to_cache(k, cache_ty, TO_FP8), mask=one_mask)
-            tl.store(v_cache_ptr + slot * stride_vc_slot + dst, _to_cache(v, cache_ty, TO_FP8), mask=one_mask)
-            tl.debug_barrier()  # the stores precede this program's reads of the same slot
-        out, m_i, l_i = _attend_tile(
-            q, d, table, page, k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, start, end,
-            stride_kc_slot, stride_vc_slot, scale_log2, BLOCK_H, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
-        )  # fmt: skip
-    else:
-        pdl_start(USE_PDL)  # q and this step's K/V come from the kernels before
-        out, m_i, l_i, d, d_mask = _attend_rows(
-            q_ptr, b64 * stride_qt + heads * stride_qh, row_mask, table, page,
-            k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, start, end, stride_kc_slot, stride_vc_slot,
-            scale_log2, BLOCK_H, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
-        )  # fmt: skip
+    pdl_start(USE_PDL)  # q and this step's K/V come from the kernels before
+    out, m_i, l_i, d, d_mask = _attend_rows(
+        q_ptr, b64 * stride_qt + heads * stride_qh, row_mask, table, page,
+        k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, start, end, stride_kc_slot, stride_vc_slot,
+        scale_log2, BLOCK_H, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
+    )  # fmt: skip
     store_mask = row_mask[:, None] & d_mask[None, :]
     if DIRECT:
         tl.store(
@@ -693,14 +554,10 @@ def paged_decode(
     cascade: CascadeInputs | None = None,
     heads_first: bool = True,
     pdl: bool = True,
-    rope: RopeInputs | None = None,
 ) -> torch.Tensor:
     """out[b] = attention of q[b] ([B, Hq, D], one token per request) over the first
     seq_lens[b] positions of request b's pages. With num_splits > 1 or a cascade, `workspace`
-    (fp32, at least workspace_numel(...) elements) holds the partial results. With `rope`, q
-    is unrotated: the split kernel applies the q/k norms and the rotary embedding itself and
-    stores the new token's k and v (the last of its seq_lens[b] positions) before reading the
-    pages, in place of `rotary.qk_norm_rope(..., kv_store=...)` (not with a cascade).
+    (fp32, at least workspace_numel(...) elements) holds the partial results.
 
     `cascade` (nanoserve.attention.cascade): requests grouped by a shared prefix; each
     group's prefix is read once by the prefix kernel for all its members, the split kernel
@@ -726,27 +583,6 @@ def paged_decode(
         part, lse = workspace[:n_part], workspace[n_part : n_part + n_lse]
     kv_start = cascade.prefix_len if cascade is not None else seq_lens  # unused without cascade
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
-    if rope is not None:
-        if cascade is not None:
-            raise ValueError("paged_decode: rope= does not combine with a cascade (its prefix kernel reads q rotated)")
-        rot = rope.rotary
-        if (
-            rope.k.stride(2) != 1
-            or rope.v.stride(2) != 1
-            or rot.cos.stride(1) != 1
-            or rot.sin.stride() != rot.cos.stride()
-        ):
-            raise ValueError("paged_decode: rope= needs k, v with a dense last dim and dense cos/sin rows")
-        has_norm = rot.q_norm_weight is not None
-        rope_args = (
-            rope.k, rope.v, rot.positions, rot.cos, rot.sin,
-            rot.q_norm_weight if has_norm else rot.cos, rot.k_norm_weight if has_norm else rot.cos, rope.slot_mapping,
-            rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1), rot.cos.stride(0), rot.eps,
-        )  # fmt: skip
-        rope_flags = {"ROPE": True, "HAS_NORM": has_norm, "TO_FP8": k_cache.element_size() == 1}
-    else:  # never read
-        rope_args = (q, q, seq_lens, q, q, q, q, seq_lens, 0, 0, 0, 0, 0, 0.0)
-        rope_flags = {}
     _decode_split_kernel[grid](
         q, k_cache, v_cache, page_table, seq_lens, kv_start,
         out, part, lse,
@@ -754,12 +590,12 @@ def paged_decode(
         kc_slot, vc_slot,
         page_table.stride(0),
         out.stride(0), out.stride(1),
-        num_splits, num_cols, scale * LOG2E, *rope_args,
+        num_splits, num_cols, scale * LOG2E,
         NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct, HAS_START=cascade is not None,
         DOT_F32=DOT_F32, HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
-        **rope_flags, **launch_options(q.device, pdl),
+        **launch_options(q.device, pdl),
     )  # fmt: skip
     if cascade is not None:
         assert cascade.items.shape[1] == len(ITEM_FIELDS)

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from nanoserve.attention.base import ForwardBatch, KVSink, RotarySpec
+from nanoserve.attention.base import ForwardBatch, KVSink
 from nanoserve.distributed import SINGLE, TPGroup
 from nanoserve.models.layers import (
     ColumnParallelLinear,
@@ -92,30 +92,17 @@ class Attention(nn.Module):
         self.scale = d**-0.5
 
     def before_attention(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        rotary: RotaryEmbedding,
-        kv_sink: KVSink | None = None,
-        rotate: bool = True,
+        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_sink: KVSink | None = None
     ):
         """q [T, Hq, D], k and v [T, Hk, D] for the attention call: qkv projection, q/k norms
-        (Qwen3), rotary; with `kv_sink`, k and v are also stored into the layer's cache.
-        Without `rotate`: the qkv projection only (the attention call rotates, `rotary_spec`)."""
+        (Qwen3), rotary; with `kv_sink`, k and v are also stored into the layer's cache."""
         tokens, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = q.view(tokens, self.num_heads, d)
         k = k.view(tokens, self.num_kv_heads, d)
         v = v.view(tokens, self.num_kv_heads, d)
-        if rotate:
-            q, k = rotary(positions, q, k, self.q_norm, self.k_norm, v, kv_sink)  # q/k norms (Qwen3) first
+        q, k = rotary(positions, q, k, self.q_norm, self.k_norm, v, kv_sink)  # q/k norms (Qwen3) first
         return q, k, v
-
-    def rotary_spec(self, positions: torch.Tensor, rotary: RotaryEmbedding) -> RotarySpec:
-        """This layer's rotary work for an attention call that does it (`attend_rotating`)."""
-        if self.q_norm is None:
-            return RotarySpec(positions, rotary.cos, rotary.sin, None, None, 0.0)
-        return RotarySpec(positions, rotary.cos, rotary.sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
     def after_attention(self, out: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """The output projection of the attention result [T, Hq, D] (this rank's partial sums,
@@ -144,17 +131,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def before_attention(
-        self, positions, hidden, residual, rotary, kv_sink: KVSink | None = None, rotate: bool = True
-    ) -> AttentionInputs:
+    def before_attention(self, positions, hidden, residual, rotary, kv_sink: KVSink | None = None) -> AttentionInputs:
         """Input norm (adding the previous layer's output, partial sums under TP, to the
         residual stream; the first layer starts the stream with the embedding) and the
-        attention inputs (stored through `kv_sink` when given; unrotated without `rotate`)."""
+        attention inputs (stored through `kv_sink` when given)."""
         if residual is None:
             hidden, residual = self.input_layernorm.start_stream(hidden, reduce_over=self.tp)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, reduce_over=self.tp)
-        return AttentionInputs(*self.self_attn.before_attention(positions, hidden, rotary, kv_sink, rotate), residual)
+        return AttentionInputs(*self.self_attn.before_attention(positions, hidden, rotary, kv_sink), residual)
 
     def after_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor
@@ -196,20 +181,19 @@ class DecoderLM(nn.Module):
         attn_out: torch.Tensor | None,
         residual: torch.Tensor | None,
         kv_sink: KVSink | None = None,
-        rotate: bool = True,
     ) -> AttentionInputs | torch.Tensor:
         """Piece i of the forward (see the module docstring). Piece 0 reads `input_ids`;
         piece i > 0 reads layer i-1's attention output `attn_out` [T, Hq, D] and the
         `residual` that entered it. Pieces 0..L-1 return layer i's AttentionInputs (with
-        `kv_sink`, layer i's new K/V are already in its cache; without `rotate`, q and k are
-        not rotated yet); piece L returns the hidden states [T, hidden] after the final norm."""
+        `kv_sink`, layer i's new K/V are already in its cache); piece L returns the hidden
+        states [T, hidden] after the final norm."""
         if i == 0:
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = self.layers[i - 1].after_attention(attn_out, residual)
         if i == len(self.layers):
             return self.norm(hidden, residual, reduce_over=self.tp)[0]
-        return self.layers[i].before_attention(positions, hidden, residual, self.rotary, kv_sink, rotate)
+        return self.layers[i].before_attention(positions, hidden, residual, self.rotary, kv_sink)
 
     def attention_scale(self, i: int) -> float:
         return self.layers[i].self_attn.scale
@@ -217,19 +201,11 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every new token: the pieces
         chained with layer i's attention between them. The new K/V are stored by the piece
-        before the attention, in the rotary kernel on CUDA (one launch less per layer), or,
-        where the backend `fuses_rotary` (decode batches, a switch), the attention call
-        rotates q and k and stores K/V itself (one launch less again)."""
+        before the attention, in the rotary kernel on CUDA (one launch less per layer)."""
         attn_out = residual = None
-        fused = batch.backend.fuses_rotary(batch.meta)
         for i in range(len(self.layers)):
-            sink = None if fused else batch.kv_sink(i)
-            q, k, v, residual = self.piece(i, positions, input_ids, attn_out, residual, sink, rotate=not fused)
-            if fused:
-                spec = self.layers[i].self_attn.rotary_spec(positions, self.rotary)
-                attn_out = batch.attend_rotating(i, q, k, v, self.attention_scale(i), spec)
-            else:
-                attn_out = batch.attend(i, q, k, v, self.attention_scale(i), kv_stored=True)
+            q, k, v, residual = self.piece(i, positions, input_ids, attn_out, residual, batch.kv_sink(i))
+            attn_out = batch.attend(i, q, k, v, self.attention_scale(i), kv_stored=True)
         return self.piece(len(self.layers), positions, input_ids, attn_out, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
