@@ -41,7 +41,7 @@ DEFAULT_SCHEDULE_POLICY = "prefill-first"  # to become "mixed" once GPU serving 
 #   total time counts, and small steps only add steps (qwen3-0.6b offline on an H200: 1,380
 #   steps at 512 against 1,043 under prefill-first).
 # An explicit max_num_batched_tokens wins everywhere. The scheduler lets a step grow past it
-# while prompts queue (up to 1.5 times) and during a burst (to chunked_prefill_size): see
+# while prompts queue (up to MIXED_GROWTH times) and during a burst (to chunked_prefill_size): see
 # BURST_WAITING_SHARE in nanoserve/scheduler/scheduler.py.
 MIXED_STEP_TOKENS = 512
 

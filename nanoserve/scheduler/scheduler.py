@@ -68,8 +68,12 @@ from nanoserve.scheduler.request import Request, Status
 # - a queue: a step may hold as many tokens as would compute the waiting prompts in
 #   QUEUE_DRAIN_STEPS steps, up to MIXED_GROWTH times `mixed_budget`. At 28 req/s fixed
 #   512-token steps fell behind the arrivals (68% of requests within 500 ms to the first
-#   token and 25 ms per token, against 93% when growing to 1024); growing to 1024 also took
-#   the inter-token p99 at 32 req/s to 42-46 ms, to 768 (1.5) 37 ms;
+#   token and 25 ms per token, against 93% when growing to 1024). On 2026-11-26 growing to
+#   1024 took the inter-token p99 at 32 req/s to 42-46 ms, but those servers may have run
+#   these steps eagerly (engine/piecewise_graph.py's KEEP_WITHIN). With their graphs kept
+#   (2026-11-27, one machine): growth 1.5 / 2 / 2.5 met both bounds for 90% of requests up to
+#   26 / 28 / 29 req/s (prefill-first: 28), at an inter-token p99 at 32 req/s of 28.2 /
+#   32.7 / 40.4 ms (issue bound: 40);
 # - a burst: while more than BURST_WAITING_SHARE of the queued requests wait for a first
 #   token, a step takes the prefill budget, as a step with nothing running does. Short steps
 #   make every waiting request pay the decode rows' per-step cost once per chunk: 200
@@ -78,7 +82,7 @@ from nanoserve.scheduler.request import Request, Status
 #   the growth above, stays below a fifth of the requests in the engine.
 BURST_WAITING_SHARE = 0.2
 QUEUE_DRAIN_STEPS = 8
-MIXED_GROWTH = 1.5
+MIXED_GROWTH = 2.0
 
 
 @dataclass
