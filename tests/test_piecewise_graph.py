@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig, add_engine_args, engine_config_from_args
-from nanoserve.engine.piecewise_graph import PiecewiseGraphs, largest_winning_size, piecewise_sizes
+from nanoserve.engine.piecewise_graph import KEEP_WITHIN, PiecewiseGraphs, largest_winning_size, piecewise_sizes
 from nanoserve.kernels.norm import rms_norm_reference
 from nanoserve.kernels.rotary import rope_reference
 from tests.tiny import TINY_CONFIGS, VOCAB, make_batch, make_tiny_model, random_prompts
@@ -216,6 +216,17 @@ def test_rank0_decides_and_sizes_win_on_every_rank(tiny_llm):
         pw.agree = agree
         assert pw._graphs_win(8) == other_rank_wins
         assert verdicts == [True]
+
+
+@torch.inference_mode()
+def test_graphs_stay_near_parity(tiny_llm):
+    """A size keeps its graphs unless replaying takes over KEEP_WITHIN times eager: near
+    parity the timing's sign is noise, and an eager step also holds the host thread."""
+    runner = tiny_llm.engine.runner
+    pw = PiecewiseGraphs(runner.model, piecewise_sizes(SMALL_CAP), runner.device, torch.float32)
+    for replay_over_eager, kept in ((0.5, True), (1.0, True), (0.99 * KEEP_WITHIN, True), (1.01 * KEEP_WITHIN, False)):
+        pw._chain_seconds = lambda n, replay, r=replay_over_eager: r if replay else 1.0
+        assert pw._graphs_win(8) == kept, replay_over_eager
 
 
 def test_engine_with_piecewise_path_equals_eager(tmp_path):
