@@ -25,7 +25,10 @@ from nanoserve.config import EngineConfig, add_engine_args, engine_config_from_a
 from nanoserve.engine.piecewise_graph import KEEP_WITHIN, PiecewiseGraphs, largest_winning_size, piecewise_sizes
 from nanoserve.kernels.norm import rms_norm_reference
 from nanoserve.kernels.rotary import rope_reference
-from tests.tiny import TINY_CONFIGS, VOCAB, make_batch, make_tiny_model, random_prompts
+from nanoserve.kvcache.pool import PageTable
+from nanoserve.scheduler.request import Request
+from nanoserve.scheduler.scheduler import ScheduledBatch
+from tests.tiny import TINY_CONFIGS, VOCAB, make_tiny_model, random_prompts
 
 # ---------------------------------------------------------------------------- schedule
 
@@ -81,6 +84,22 @@ def test_off_on_cpu_and_flag(tiny_llm):
     add_engine_args(parser)
     assert not engine_config_from_args(parser.parse_args(["m", "--no-piecewise-graphs"])).piecewise_cuda_graphs
     assert engine_config_from_args(parser.parse_args(["m"])).piecewise_cuda_graphs
+
+
+def make_batch(lengths: list[int], prefixes: list[int], page_size: int, seed: int) -> ScheduledBatch:
+    """Requests with `prefixes[r]` tokens already in the cache and `lengths[r]` new ones,
+    on distinct pages starting at page 1 (page 0 is the reserved one)."""
+    rng = random.Random(seed)
+    requests, next_page = [], 1
+    table = PageTable(len(lengths), max(-(-(pre + n) // page_size) for n, pre in zip(lengths, prefixes)))
+    for r, (n, pre) in enumerate(zip(lengths, prefixes)):
+        total = pre + n
+        pages = list(range(next_page, next_page + -(-total // page_size)))
+        next_page += len(pages)
+        ids = [rng.randrange(VOCAB) for _ in range(total)]
+        requests.append(Request(str(r), SamplingParams(), total, ids, arrival=r, num_computed=pre, pages=pages, slot=r))
+        table.assign(r, pages)
+    return ScheduledBatch(requests, list(lengths), is_decode=False, page_table=table)
 
 
 def reference_hidden(model, input_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -218,6 +237,7 @@ def test_rank0_decides_and_sizes_win_on_every_rank(tiny_llm):
         assert verdicts == [True]
 
 
+@pytest.mark.parametrize("tiny_llm", ["llama"], indirect=True)  # the rule reads timings only
 @torch.inference_mode()
 def test_graphs_stay_near_parity(tiny_llm):
     """A size keeps its graphs unless replaying takes over KEEP_WITHIN times eager: near

@@ -1,5 +1,5 @@
-"""Tiny random Hugging Face checkpoints of every supported architecture, greedy generation
-with transformers as the reference, and scheduled batches built by hand (`make_batch`)."""
+"""Tiny random Hugging Face checkpoints of every supported architecture, and greedy
+generation with transformers as the reference."""
 
 from __future__ import annotations
 
@@ -87,24 +87,3 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
             )
             outs.append(gen[0, len(p) :].tolist())
     return outs
-
-
-def make_batch(lengths: list[int], prefixes: list[int], page_size: int, seed: int):
-    """A ScheduledBatch of requests with `prefixes[r]` tokens already in the cache and
-    `lengths[r]` new ones, on distinct pages starting at page 1 (page 0 is the reserved one)."""
-    from nanoserve import SamplingParams
-    from nanoserve.kvcache.pool import PageTable
-    from nanoserve.scheduler.request import Request
-    from nanoserve.scheduler.scheduler import ScheduledBatch
-
-    rng = random.Random(seed)
-    requests, next_page = [], 1
-    table = PageTable(len(lengths), max(-(-(pre + n) // page_size) for n, pre in zip(lengths, prefixes)))
-    for r, (n, pre) in enumerate(zip(lengths, prefixes)):
-        total = pre + n
-        pages = list(range(next_page, next_page + -(-total // page_size)))
-        next_page += len(pages)
-        ids = [rng.randrange(VOCAB) for _ in range(total)]
-        requests.append(Request(str(r), SamplingParams(), total, ids, arrival=r, num_computed=pre, pages=pages, slot=r))
-        table.assign(r, pages)
-    return ScheduledBatch(requests, list(lengths), is_decode=False, page_table=table)
