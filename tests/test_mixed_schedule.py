@@ -277,7 +277,7 @@ def test_budget_adapts_to_decoding(model_dir):
 def test_config_and_cli_flags():
     from nanoserve.cli import build_parser
 
-    assert EngineConfig().schedule_policy == "prefill-first"
+    assert EngineConfig().schedule_policy == "mixed"
     assert EngineConfig(schedule_policy="mixed").mixed_step_budget() == 512
     assert EngineConfig(chunked_prefill_size=256).mixed_step_budget() == 256
     assert EngineConfig(max_num_batched_tokens=2048).mixed_step_budget() == 2048

@@ -73,15 +73,20 @@ from nanoserve.scheduler.request import Request, Status
 #   these steps eagerly (engine/piecewise_graph.py's KEEP_WITHIN). With their graphs kept
 #   (2026-11-27, one machine): growth 1.5 / 2 / 2.5 met both bounds for 90% of requests up to
 #   26 / 28 / 29 req/s (prefill-first: 28), at an inter-token p99 at 32 req/s of 28.2 /
-#   32.7 / 40.4 ms (issue bound: 40);
+#   32.7 / 40.4 ms (issue bound: 40), all draining the queue in 8 steps. How soon a step
+#   grows counts as much: with growth 2, draining in 4 / 3 / 2 steps gave 30 / 30 / 31 req/s
+#   on another H200 (prefill-first: 28 there too), but at 2 a step of 1024 tokens follows two
+#   queued prompts, which took the inter-token p99 at 16 req/s to 25.5-26.1 ms (bound 25);
+#   3 gave 24.1 ms (2026-11-27, 16:17-16:33 UTC);
 # - a burst: while more than BURST_WAITING_SHARE of the queued requests wait for a first
 #   token, a step takes the prefill budget, as a step with nothing running does. Short steps
 #   make every waiting request pay the decode rows' per-step cost once per chunk: 200
 #   requests at once gave 5,279 output tok/s with bursts from half the queue, 5,845 from a
-#   fifth (prefill-first: 5,655-5,880). A queue under overload at 32 req/s, kept short by
+#   fifth (prefill-first: 5,655-5,880); a tenth and a twentieth gained 0.5% (5,955 against
+#   5,926) but let overload bursts through: inter-token p99 at 32 req/s 62 and 171 ms. A queue under overload at 32 req/s, kept short by
 #   the growth above, stays below a fifth of the requests in the engine.
 BURST_WAITING_SHARE = 0.2
-QUEUE_DRAIN_STEPS = 8
+QUEUE_DRAIN_STEPS = 3
 MIXED_GROWTH = 2.0
 
 
