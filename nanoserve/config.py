@@ -45,7 +45,7 @@ DEFAULT_SCHEDULE_POLICY = "mixed"
 #   steps at 512 against 1,043 under prefill-first).
 # An explicit max_num_batched_tokens wins everywhere. The scheduler lets a step grow past it
 # while prompts queue (up to MIXED_GROWTH times) and during a burst (to chunked_prefill_size): see
-# BURST_WAITING_SHARE in nanoserve/scheduler/scheduler.py.
+# BURST_START_SHARE in nanoserve/scheduler/scheduler.py.
 MIXED_STEP_TOKENS = 512
 
 

@@ -19,7 +19,8 @@ from nanoserve.attention.torch_backend import TorchAttentionBackend
 from nanoserve.config import EngineConfig
 from nanoserve.scheduler.request import Status
 from nanoserve.scheduler.scheduler import (
-    BURST_WAITING_SHARE,
+    BURST_END_SHARE,
+    BURST_START_SHARE,
     MIXED_GROWTH,
     QUEUE_DRAIN_STEPS,
     ScheduledBatch,
@@ -59,23 +60,30 @@ class StepChecks:
         self.sched = engine.scheduler
         self.kinds = {"decode": 0, "prefill": 0, "mixed": 0, "burst": 0, "grown": 0}
         self.max_prompt_tokens = {"plain": 0, "grown": 0, "burst": 0}  # of mixed steps, by budget
+        self.max_share_outside_burst = 0.0  # of the requests waiting when a mixed step was no burst
+        self.bursting = False
         schedule = self.sched.schedule
 
         def checked() -> ScheduledBatch | None:
             sched = self.sched
             waiting, running = len(sched.waiting), len(sched.running)
+            share = waiting / (waiting + running) if waiting + running else 0.0
+            self.bursting = share > (BURST_END_SHARE if self.bursting else BURST_START_SHARE)
             queued = sum(r.num_uncomputed for r in sched.waiting)
             grown = min(queued // QUEUE_DRAIN_STEPS, int(MIXED_GROWTH * (sched.mixed_budget or 0)), sched.chunk_budget)
             batch = schedule()
             if batch is not None:
-                self.check(batch, waiting > BURST_WAITING_SHARE * (waiting + running), grown)
+                self.check(batch, self.bursting, grown)
+                if batch.num_decodes and not batch.is_decode and not self.bursting:
+                    self.max_share_outside_burst = max(self.max_share_outside_burst, share)
             return batch
 
         self.sched.schedule = checked
 
     def check(self, batch: ScheduledBatch, burst: bool, grown: int) -> None:
-        """`burst`: more than BURST_WAITING_SHARE of the queued requests waited when `batch`
-        was scheduled, so a mixed step may hold the prefill budget; else it may hold `grown`
+        """`burst`: a burst was on when `batch` was scheduled (begun above BURST_START_SHARE of
+        the queued requests waiting, not yet ended at BURST_END_SHARE), so a mixed step may
+        hold the prefill budget; else it may hold `grown`
         tokens if that is above the mixed budget (the waiting prompts over QUEUE_DRAIN_STEPS,
         at most MIXED_GROWTH budgets)."""
         sched, k = self.sched, batch.num_decodes
@@ -258,20 +266,27 @@ def test_abort_mid_mixed_run_leaks_nothing(model_dir):
 def test_budget_adapts_to_decoding(model_dir):
     """Tokens per step: the whole prefill budget while nothing decodes; the mixed budget
     (decode rows included) while requests decode; up to MIXED_GROWTH times that while a long
-    prompt queues behind many running requests; the prefill budget again during a burst
-    (more than BURST_WAITING_SHARE of the queued requests waiting). Outputs stay prefill-first's."""
+    prompt queues behind many running requests; the prefill budget again during a burst,
+    which a crowd above BURST_START_SHARE of the queued requests begins and a queue that
+    stays below it does not. Outputs stay prefill-first's."""
     rng = random.Random(7)
-    short = [(0, [rng.randrange(VOCAB) for _ in range(3)]) for _ in range(6)]
-    queued = [(2, [rng.randrange(VOCAB) for _ in range(130)])]  # 1 waiting beside 6 running
-    burst = [(20, [rng.randrange(VOCAB) for _ in range(30)]) for _ in range(3)]  # 3 beside 7
-    arrivals = short + queued + burst
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    def prompts(step: int, count: int, length: int) -> list[tuple[int, list[int]]]:
+        return [(step, [rng.randrange(VOCAB) for _ in range(length)]) for _ in range(count)]
+
+    short = prompts(0, 6, 3)
+    queued = prompts(2, 1, 130)  # 1 waiting beside 6 running
+    below = prompts(12, 3, 30)  # 3 beside 7: a third of the queue, no burst
+    crowd = prompts(24, 12, 30)  # 12 beside 10
+    arrivals = short + queued + below + crowd
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     kw = {"chunked_prefill_size": 64, "max_num_batched_tokens": 8, "enable_prefix_caching": False}
     slow, fast, checks, _ = both_policies(model_dir, arrivals, params, **kw)
     assert fast == slow
     assert checks.kinds["prefill"] > 0 and checks.kinds["grown"] > 0 and checks.kinds["burst"] > 0, checks.kinds
     assert checks.max_prompt_tokens["grown"] <= int(MIXED_GROWTH * 8) < checks.max_prompt_tokens["burst"]
     assert 0 < checks.max_prompt_tokens["plain"] <= 8
+    assert BURST_END_SHARE < checks.max_share_outside_burst <= BURST_START_SHARE, checks.max_share_outside_burst
 
 
 def test_config_and_cli_flags():

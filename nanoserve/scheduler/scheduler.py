@@ -16,9 +16,9 @@ Policy ("prefill-first", the slow twin of "mixed"):
   included), then prompt chunks, chosen as a prefill batch, until the step holds
   `mixed_budget` tokens (decode rows count one each; prompts get none when the decode rows
   alone reach it; none when a running request had to be preempted). The budget grows while
-  prompts queue, up to `MIXED_GROWTH` times, and is `chunked_prefill_size` during a burst,
-  while more than `BURST_WAITING_SHARE` of the queued requests wait for their first token
-  (see there). With nothing running a step is a prefill batch of `chunked_prefill_size`
+  prompts queue, up to `MIXED_GROWTH` times, and is `chunked_prefill_size` during a burst:
+  from when more than `BURST_START_SHARE` of the queued requests wait for their first token
+  until no more than `BURST_END_SHARE` do (see there). With nothing running a step is a prefill batch of `chunked_prefill_size`
   tokens (throughput); with nothing waiting, a decode batch, scheduled exactly as under
   prefill-first (no extra host work on the decode path);
 - a request with n > 1 samples is admitted with n slots and forked after its prompt is
@@ -78,14 +78,18 @@ from nanoserve.scheduler.request import Request, Status
 #   on another H200 (prefill-first: 28 there too), but at 2 a step of 1024 tokens follows two
 #   queued prompts, which took the inter-token p99 at 16 req/s to 25.5-26.1 ms (bound 25);
 #   3 gave 24.1 ms (2026-11-27, 16:17-16:33 UTC);
-# - a burst: while more than BURST_WAITING_SHARE of the queued requests wait for a first
-#   token, a step takes the prefill budget, as a step with nothing running does. Short steps
-#   make every waiting request pay the decode rows' per-step cost once per chunk: 200
-#   requests at once gave 5,279 output tok/s with bursts from half the queue, 5,845 from a
-#   fifth (prefill-first: 5,655-5,880); a tenth and a twentieth gained 0.5% (5,955 against
-#   5,926) but let overload bursts through: inter-token p99 at 32 req/s 62 and 171 ms. A queue under overload at 32 req/s, kept short by
-#   the growth above, stays below a fifth of the requests in the engine.
-BURST_WAITING_SHARE = 0.2
+# - a burst: from when more than BURST_START_SHARE of the queued requests wait for a first
+#   token (a crowd arrived at once) until no more than BURST_END_SHARE do, a step takes the
+#   prefill budget, as a step with nothing running does. Short steps make every waiting
+#   request pay the decode rows' per-step cost once per chunk: 200 requests at once gave
+#   5,279 output tok/s with bursts down to half the queue, 5,845 down to a fifth
+#   (prefill-first: 5,655-5,880); a tenth and a twentieth gained 0.5% (5,955 against 5,926).
+#   A burst begins only above half: a queue that builds up under overload passed a fifth
+#   near the end of the arrivals at 32 req/s, and each burst step then held 126 decoding
+#   requests for 280 ms, which took the inter-token p99 to 42.5 ms on one server (34.8 ms on
+#   another without; bound 40; 2026-11-27). Such a queue stays well below half.
+BURST_START_SHARE = 0.5
+BURST_END_SHARE = 0.2
 QUEUE_DRAIN_STEPS = 3
 MIXED_GROWTH = 2.0
 
@@ -139,6 +143,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.bursting = False  # see BURST_START_SHARE
         self.num_prefill_tokens = 0  # tokens computed by prefill steps (cache hits excluded)
         self.num_with_penalties = 0
 
@@ -269,15 +274,17 @@ class Scheduler:
     # ---- scheduling --------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch | None:
+        queued = len(self.waiting) + len(self.running)
+        share = len(self.waiting) / queued if queued else 0.0
+        self.bursting = share > (BURST_END_SHARE if self.bursting else BURST_START_SHARE)
         if self.mixed_budget is None or not self.waiting or not self.running:
             return self._schedule_prefill(self.chunk_budget) or self._schedule_decode()
         return self._schedule_mixed(self.mixed_step_tokens())
 
     def mixed_step_tokens(self) -> int:
         """Tokens a mixed step scheduled now may hold, decode rows included: `mixed_budget`,
-        more while prompts queue, the prefill budget during a burst (see BURST_WAITING_SHARE)."""
-        num_waiting = len(self.waiting)
-        if num_waiting > BURST_WAITING_SHARE * (num_waiting + len(self.running)):
+        more while prompts queue, the prefill budget during a burst (see BURST_START_SHARE)."""
+        if self.bursting:
             return max(self.chunk_budget, self.mixed_budget)
         ceiling = min(int(MIXED_GROWTH * self.mixed_budget), self.chunk_budget)
         enough = ceiling * QUEUE_DRAIN_STEPS
