@@ -77,19 +77,21 @@ from nanoserve.scheduler.request import Request, Status
 #   grows counts as much: with growth 2, draining in 4 / 3 / 2 steps gave 30 / 30 / 31 req/s
 #   on another H200 (prefill-first: 28 there too), but at 2 a step of 1024 tokens follows two
 #   queued prompts, which took the inter-token p99 at 16 req/s to 25.5-26.1 ms (bound 25);
-#   3 gave 24.1 ms (2026-11-27, 16:17-16:33 UTC);
+#   3 gave 22.0-24.1 ms in five runs on two H200s (2026-11-27, 16:17-16:50 UTC);
 # - a burst: from when more than BURST_START_SHARE of the queued requests wait for a first
 #   token (a crowd arrived at once) until no more than BURST_END_SHARE do, a step takes the
 #   prefill budget, as a step with nothing running does. Short steps make every waiting
 #   request pay the decode rows' per-step cost once per chunk: 200 requests at once gave
 #   5,279 output tok/s with bursts down to half the queue, 5,845 down to a fifth
-#   (prefill-first: 5,655-5,880); a tenth and a twentieth gained 0.5% (5,955 against 5,926).
+#   (prefill-first: 5,655-5,880); with the start at half, ending at a fifth gave 5,768 and
+#   at a tenth 5,927 / 5,869 (prefill-first 5,941 / 5,884 on the same H200, 2026-11-27).
 #   A burst begins only above half: a queue that builds up under overload passed a fifth
 #   near the end of the arrivals at 32 req/s, and each burst step then held 126 decoding
 #   requests for 280 ms, which took the inter-token p99 to 42.5 ms on one server (34.8 ms on
-#   another without; bound 40; 2026-11-27). Such a queue stays well below half.
+#   another without; bound 40). Beginning at half gave 32.7-33.9 ms in four runs. Such a
+#   queue stays well below half.
 BURST_START_SHARE = 0.5
-BURST_END_SHARE = 0.2
+BURST_END_SHARE = 0.1
 QUEUE_DRAIN_STEPS = 3
 MIXED_GROWTH = 2.0
 
