@@ -26,9 +26,10 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "hal
 _KV_DTYPES = {"fp8": torch.float8_e4m3fn}
 _KV_DTYPE_ALIASES = {"fp8_e4m3": "fp8", "float8_e4m3fn": "fp8"}
 SCHEDULE_POLICIES = ("prefill-first", "mixed")
-# mixed by default: on one H200 (dummy llama-3.1-8b, 1024 in / 256 out) it kept 90% of
+# mixed by default: on two H200s (dummy llama-3.1-8b, 1024 in / 256 out) it kept 90% of
 # requests within 500 ms to the first token and 25 ms per token up to 30 req/s against
-# prefill-first's 28, at a tenth of its inter-token p99 (benchmarks/RESULTS.md 2026-11-27).
+# prefill-first's 28, with an inter-token p99 at 32 req/s of 33 ms against 225-287 ms
+# (benchmarks/RESULTS.md 2026-11-27, 16:05-16:50).
 DEFAULT_SCHEDULE_POLICY = "mixed"
 # The mixed policy's budget (max_num_batched_tokens) while requests decode: every token of a
 # step delays their next token, so its default depends on whether anyone reads tokens as
