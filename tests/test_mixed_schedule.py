@@ -83,9 +83,8 @@ class StepChecks:
     def check(self, batch: ScheduledBatch, burst: bool, grown: int) -> None:
         """`burst`: a burst was on when `batch` was scheduled (begun above BURST_START_SHARE of
         the queued requests waiting, not yet ended at BURST_END_SHARE), so a mixed step may
-        hold the prefill budget; else it may hold `grown`
-        tokens if that is above the mixed budget (the waiting prompts over QUEUE_DRAIN_STEPS,
-        at most MIXED_GROWTH budgets)."""
+        hold the prefill budget; else it may hold `grown` tokens if that is above the mixed
+        budget (the waiting prompts over QUEUE_DRAIN_STEPS, at most MIXED_GROWTH budgets)."""
         sched, k = self.sched, batch.num_decodes
         reqs, counts = batch.requests, batch.num_new_tokens
         assert len({id(r) for r in reqs}) == len(reqs), "a request twice in one step"
@@ -276,7 +275,7 @@ def test_budget_adapts_to_decoding(model_dir):
 
     short = prompts(0, 6, 3)
     queued = prompts(2, 1, 130)  # 1 waiting beside 6 running
-    below = prompts(12, 3, 30)  # 3 beside 7: a third of the queue, no burst
+    below = prompts(12, 3, 30)  # 3 beside 7: 30% waiting, no burst
     crowd = prompts(24, 12, 30)  # 12 beside 10
     arrivals = short + queued + below + crowd
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

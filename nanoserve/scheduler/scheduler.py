@@ -18,9 +18,10 @@ Policy ("prefill-first", the slow twin of "mixed"):
   alone reach it; none when a running request had to be preempted). The budget grows while
   prompts queue, up to `MIXED_GROWTH` times, and is `chunked_prefill_size` during a burst:
   from when more than `BURST_START_SHARE` of the queued requests wait for their first token
-  until no more than `BURST_END_SHARE` do (see there). With nothing running a step is a prefill batch of `chunked_prefill_size`
-  tokens (throughput); with nothing waiting, a decode batch, scheduled exactly as under
-  prefill-first (no extra host work on the decode path);
+  until no more than `BURST_END_SHARE` do (see there). With nothing running a step is a
+  prefill batch of `chunked_prefill_size` tokens (throughput); with nothing waiting, a
+  decode batch, scheduled exactly as under prefill-first (no extra host work on the decode
+  path);
 - a request with n > 1 samples is admitted with n slots and forked after its prompt is
   computed: the samples share its full pages; a partly filled last page is copied.
 
