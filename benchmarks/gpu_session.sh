@@ -2,6 +2,7 @@
 # One device call: the GPU tests and benchmarks named in $STAGES, in order; everything goes
 # to $OUT/session.log (the device tool returns at most 8 files).
 #   STAGES="offline llama latency prefill prefix tests" bash benchmarks/gpu_session.sh
+#   STAGES=serving SERVE_RATES=16,32,inf SERVE_POLICIES=mixed [SERVE_ARGS="--num-prompts 50"] bash benchmarks/gpu_session.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 LOG=$OUT/session.log
@@ -13,6 +14,25 @@ stage() {  # name, timeout in s, command...
   timeout $limit "$@" >> $LOG 2>&1
   echo "===== $name rc=$? in $((SECONDS - t0)) s" >> $LOG
 }
+serve_sweep() {  # policy: a dummy $SERVE_MODEL server, swept at $SERVE_RATES; JSON and PNG to $OUT
+  local policy=$1 port=$((8100 + RANDOM % 800)) t0=$SECONDS
+  echo "===== serving[$policy]: $SERVE_MODEL at ${SERVE_RATES:-4,8,16,32,inf} req/s ($(date -u +%H:%M:%S))" >> $LOG
+  python -m nanoserve serve $SERVE_MODEL --load-format dummy --schedule-policy $policy --port $port \
+    > $OUT/server_$policy.log 2>&1 &
+  local pid=$!
+  local health="import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)"
+  until python -c "$health" http://127.0.0.1:$port/health 2> /dev/null; do  # start-up: weights, warm-up, graphs
+    kill -0 $pid 2> /dev/null && [ $((SECONDS - t0)) -lt 240 ] || { tail -20 $OUT/server_$policy.log >> $LOG; kill $pid; return; }
+    sleep 2
+  done
+  timeout ${T_SERVING:-400} python benchmarks/serving.py --base-url http://127.0.0.1:$port --dataset random \
+    --random-input-len 1024 --random-output-len 256 --num-prompts 200 --request-rate ${SERVE_RATES:-4,8,16,32,inf} \
+    --goodput 500,25 --goodput-steps 0 $SERVE_ARGS --output-json $OUT/serving_$policy.json --output-png $OUT/serving_$policy.png >> $LOG 2>&1
+  local rc=$?
+  kill $pid; wait $pid
+  echo "===== serving[$policy] rc=$rc in $((SECONDS - t0)) s" >> $LOG
+}
+SERVE_MODEL=${SERVE_MODEL:-llama-3.1-8b}
 for s in ${STAGES:-tests offline latency}; do
   case $s in
     tests) stage tests 300 python -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_fastpath.py tests/test_piecewise_graph.py ;;
@@ -44,6 +64,7 @@ for s in ${STAGES:-tests offline latency}; do
     profile) stage profile 400 python benchmarks/probes/profile_offline.py ;;
     host) stage host ${T_HOST:-200} python benchmarks/probes/host_overhead.py --model ${HOST_MODEL:-qwen3-0.6b} $HOST_ARGS ;;
     spread) stage spread 300 python benchmarks/offline_throughput.py --repeat ${REPEAT:-4} ;;
+    serving) for p in ${SERVE_POLICIES:-mixed prefill-first}; do serve_sweep $p; done ;;  # needs .whl (fastapi, zmq)
     sampler) stage sampler_tests ${T_SAMPLER_TESTS:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_sampler.py
              stage sampler_bench 120 python benchmarks/probes/sampler_bench.py ;;
   esac
