@@ -103,6 +103,10 @@ class StepChecks:
             assert count <= req.num_uncomputed
             assert req.slot is not None
             assert len(req.pages) >= pages_for(req.num_computed + count, sched.page_size), "a row without pages"
+            if not decode_row:  # a prompt row's tokens are all known (-1: a token still being sampled)
+                assert -1 not in req.token_ids[req.num_computed : req.num_computed + count], (
+                    "a placeholder prompt token"
+                )
         if batch.is_decode:
             assert k == len(reqs)
             kind = "decode"
@@ -241,6 +245,19 @@ def test_preemption_with_a_tiny_kv_cache(model_dir, hf_tokens, prefix_cache, pag
     slow, fast, _, llm = both_policies(
         model_dir, arrivals, overlap=True, enable_prefix_caching=prefix_cache, max_num_batched_tokens=24, **kv
     )
+    assert fast == slow
+    assert by_request(arrivals, fast) == hf_tokens([p for _, p in arrivals])
+    assert llm.stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize(("page_size", "kv_cache_tokens"), [(1, 80), (4, 64)])
+def test_no_prompt_in_a_step_that_preempted_every_running_request(model_dir, hf_tokens, page_size, kv_cache_tokens):
+    """Decode rows that preempt every running request leave the step empty: re-admitting a
+    victim at once would compute its last token while the overlap loop still samples it
+    (a placeholder, which the step checks reject) and cache KV under it."""
+    arrivals = [(at // 3, p[:40]) for at, p in workload(0, shared=True)]
+    kw = {"page_size": page_size, "kv_cache_tokens": kv_cache_tokens, "max_num_batched_tokens": 24}
+    slow, fast, _, llm = both_policies(model_dir, arrivals, overlap=True, enable_prefix_caching=True, **kw)
     assert fast == slow
     assert by_request(arrivals, fast) == hf_tokens([p for _, p in arrivals])
     assert llm.stats()["num_preemptions"] > 0

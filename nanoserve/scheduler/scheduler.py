@@ -302,13 +302,14 @@ class Scheduler:
         """Every running request's decode row, then prompt chunks up to `budget` tokens."""
         preempted = self.num_preemptions
         decode = self._schedule_decode()
+        if self.num_preemptions != preempted:
+            # Pages ran short: no prompt joins this step, even when every running request
+            # was preempted (decode is None). Re-admitting a victim now would also read its
+            # last token, which the overlap loop may still be sampling for the slot it just
+            # gave up, and cache its KV under the placeholder.
+            return decode
         if decode is None:
             return self._schedule_prefill(self.chunk_budget)
-        if self.num_preemptions != preempted:
-            # Pages ran short: no prompt joins this step. (Re-admitting a victim now would
-            # also read its last token, which the overlap loop may still be sampling for
-            # the slot it just gave up.)
-            return decode
         num_decodes = len(decode.requests)
         room = budget - num_decodes
         prefill = self._schedule_prefill(room) if room > 0 else None
