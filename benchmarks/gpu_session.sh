@@ -64,7 +64,7 @@ for s in ${STAGES:-tests offline latency}; do
     profile) stage profile 400 python benchmarks/probes/profile_offline.py ;;
     host) stage host ${T_HOST:-200} python benchmarks/probes/host_overhead.py --model ${HOST_MODEL:-qwen3-0.6b} $HOST_ARGS ;;
     spread) stage spread 300 python benchmarks/offline_throughput.py --repeat ${REPEAT:-4} ;;
-    serving) for p in ${SERVE_POLICIES:-mixed prefill-first}; do serve_sweep $p; done ;;  # needs .whl (fastapi, zmq)
+    serving) for p in ${SERVE_POLICIES:-mixed prefill-first}; do serve_sweep $p; done ;;  # needs .whl: the default set plus xgrammar
     sampler) stage sampler_tests ${T_SAMPLER_TESTS:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_sampler.py
              stage sampler_bench 120 python benchmarks/probes/sampler_bench.py ;;
   esac
