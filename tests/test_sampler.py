@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from nanoserve.engine.sampler import FUSED_MIN_GREEDY_ROWS, Sampler, SampleRow, apply_penalties, mask_logits
+from nanoserve.engine.sampler import Sampler, SampleRow, apply_penalties, mask_logits
 from nanoserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -338,13 +338,10 @@ def test_sampler_uses_the_kernel_only_where_it_applies(device):
     dev = torch.device(device)
     fused, slow = Sampler(dev, seed=0, fused=True), Sampler(dev, seed=0, fused=False)
     x = torch.randn(6, 301).to(dev)
-    greedy = plain_rows([0.0] * 6)  # a small all-greedy batch is left to torch's argmax
-    assert torch.equal(fused.sample(x, greedy).tokens, slow.sample(x, greedy).tokens)
-    assert not fused._plan.fused
-    big = torch.randn(FUSED_MIN_GREEDY_ROWS, 301).to(dev)
-    many = plain_rows([0.0] * FUSED_MIN_GREEDY_ROWS)
-    assert torch.equal(fused.sample(big, many).tokens, slow.sample(big, many).tokens)
-    assert fused._plan.fused and fused._plan.row_temperature.device.type == dev.type
+    for n in (1, 6, 64):  # all-greedy batches of any size take the kernel
+        greedy, logits = plain_rows([0.0] * n), torch.randn(n, 301).to(dev)
+        assert torch.equal(fused.sample(logits, greedy).tokens, slow.sample(logits, greedy).tokens)
+        assert fused._plan.fused and fused._plan.row_temperature.device.type == dev.type
     mixed = plain_rows([0.0, 0.8, 0.0, 1.3, 0.5, 0.0])
     calls = fused.calls
     drawn = fused.sample(x, mixed).tokens

@@ -32,8 +32,6 @@ from nanoserve.models.layers import fused
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
-FUSED_MIN_GREEDY_ROWS = 64  # all-greedy batches below this take torch's argmax (see _BatchPlan)
-
 
 @dataclass
 class SampleRow:
@@ -138,12 +136,12 @@ class _BatchPlan:
         self.seeded = [(j, rows[i].generator) for j, i in enumerate(self.random_rows) if rows[i].generator is not None]
         self.lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         # The fused kernel covers greedy and plain temperature rows; it reads each row's
-        # temperature (0 = greedy) from this device tensor. A small all-greedy batch is left
-        # to torch's argmax, which is faster there (H200, benchmarks/probes/sampler_bench.py:
-        # batch 1 0.015 ms vs 0.038 fused; batch 64 0.054 vs 0.038; batch-1 TPOT is greedy).
+        # temperature (0 = greedy) from this device tensor. Small all-greedy batches take it
+        # too: its GPU time is what a decode step waits for (llama-3.1-8b's batch-1 step on an
+        # H200, 2026-11-27: torch's fp32 copy and argmax took 31 us between graph replays).
+        # Its host launch cost, larger than torch's, overlaps the GPU in the overlap loop.
         covered = bool(rows) and not self.penalties and self.masks is None and not self.seeded
-        small_greedy = not self.random_rows and len(rows) < FUSED_MIN_GREEDY_ROWS
-        self.fused = fused and covered and not small_greedy
+        self.fused = fused and covered
         self.row_temperature = None
         if self.fused:
             self.row_temperature = _device_tensor([p.temperature for p in params], device, torch.float32)
