@@ -49,6 +49,8 @@ class KernelSwitches:
     split_sum_in_norm: bool = True
     # The rotary kernel also writes the new K/V into the cache; off: attention's own store kernel.
     kv_store_in_rope: bool = True
+    # At one row the qkv GEMV rotates q and k (and stores K/V) in its epilogue; off: the rotary kernel.
+    rope_in_gemv: bool = True
     # Decode attention launches the kv heads of a request next to each other; off: one head of every request first.
     decode_heads_first: bool = True
     # Triton sampler for greedy / plain-temperature batches; off: the torch path.

@@ -33,6 +33,7 @@ from torch import nn
 
 from nanoserve.attention.base import ForwardBatch, KVSink
 from nanoserve.distributed import SINGLE, TPGroup
+from nanoserve.kernels import qkv_rope
 from nanoserve.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -97,12 +98,41 @@ class Attention(nn.Module):
         """q [T, Hq, D], k and v [T, Hk, D] for the attention call: qkv projection, q/k norms
         (Qwen3), rotary; with `kv_sink`, k and v are also stored into the layer's cache."""
         tokens, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        fused = self._rotating_qkv(positions, x, rotary, kv_sink)
+        qkv = fused if fused is not None else self.qkv_proj(x)
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = q.view(tokens, self.num_heads, d)
         k = k.view(tokens, self.num_kv_heads, d)
         v = v.view(tokens, self.num_kv_heads, d)
-        q, k = rotary(positions, q, k, self.q_norm, self.k_norm, v, kv_sink)  # q/k norms (Qwen3) first
+        if fused is None:
+            q, k = rotary(positions, q, k, self.q_norm, self.k_norm, v, kv_sink)  # q/k norms (Qwen3) first
+        elif kv_sink is not None and not self.qkv_proj.switches.kv_store_in_rope:
+            kv_sink.store(k, v)
         return q, k, v
+
+    def _rotating_qkv(self, positions, x, rotary: RotaryEmbedding, kv_sink: KVSink | None) -> torch.Tensor | None:
+        """The qkv product with q and k rotated (and, with `kv_sink`, K/V stored) by the GEMV's
+        epilogue (`kernels.qkv_rope`: one launch at one row, `rope_in_gemv`), or None where
+        that does not run (more rows, q/k norms, block-scaled FP8, a config without whole
+        pairs): then the product and the rotary kernel run apart."""
+        proj = self.qkv_proj
+        sw = proj.switches
+        if not sw.rope_in_gemv or self.q_norm is not None or x.dim() != 2 or x.shape[0] != 1:
+            return None
+        fp8 = proj.fp8
+        config = proj.small_m_config(x)
+        if (fp8 is not None and fp8.block) or not qkv_rope.fuses_rope(config, self.head_dim):
+            return None
+        store = None
+        if kv_sink is not None and sw.kv_store_in_rope:
+            store = (kv_sink.k_cache, kv_sink.v_cache, kv_sink.slot_mapping)
+        # Tables read before the K loop stay in registers through it: free on 2 warps, 2.4 us a
+        # call on 8 (llama-3.1-8b's qkv, H200, benchmarks/probes/qkv_rope_bench.py).
+        return qkv_rope.qkv_rope_gemv(
+            x, proj.weight, proj.bias, config, positions, rotary.cos, rotary.sin, self.num_heads,
+            self.num_kv_heads, self.head_dim, store, w_scale=None if fp8 is None else fp8.scale, pdl=sw.pdl,
+            early_tables=config.num_warps <= 2,
+        )  # fmt: skip
 
     def after_attention(self, out: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """The output projection of the attention result [T, Hq, D] (this rank's partial sums,

@@ -499,16 +499,22 @@ class ColumnParallelLinear(_SwitchedLayer):
         )
         return out.view(*x.shape[:-1], out.shape[1])
 
+    def small_m_config(self, x: torch.Tensor) -> linear_kernels.LinearConfig | None:
+        """The Triton config `linear` or `fp8_linear` runs this product of x with (None: cuBLAS,
+        cuBLASLt, the CPU path, or x not a dense 2-byte tensor on CUDA)."""
+        sw = self.switches
+        if not (sw.triton_ops and x.is_cuda and x.stride(-1) == 1 and x.dtype in _HALF_DTYPES):
+            return None
+        fp8 = self.fp8
+        return _small_m_config(x, self.weight, sw) if fp8 is None else _fp8_small_m_config(x, self.weight, fp8)
+
     def _gated_config(self, x: torch.Tensor) -> linear_kernels.LinearConfig | None:
         """The gated GEMV's config for x, or None where the product and SiLU run apart."""
-        sw = self.switches
-        if not (sw.triton_ops and sw.gemv_silu and x.is_cuda and x.stride(-1) == 1 and x.dtype in _HALF_DTYPES):
+        if not self.switches.gemv_silu:
             return None
         if [p.name for p in self.parts] != ["gate", "up"] or self.parts[0].size != self.parts[1].size:
             return None
-        fp8 = self.fp8  # the configs `linear` and `fp8_linear` choose
-        config = _small_m_config(x, self.weight, sw) if fp8 is None else _fp8_small_m_config(x, self.weight, fp8)
-        return linear_kernels.gated_config(config)
+        return linear_kernels.gated_config(self.small_m_config(x))
 
 
 # Tensor parallelism: row-parallel partial sums are all-reduced in the activation dtype, as
