@@ -279,8 +279,8 @@ def _gpu_case(M, N, K, block, seed=0):
 
 def test_fp8_rule_takes_the_e4m3_tensor_core_kernel_for_two_to_eight_rows():
     """The measured FP8 rule: M = 2..8 per-channel on llama/qwen3-8b shapes take the x_fp8
-    tensor-core configs; M = 1 the fma GEMV with its FP8 tiles (8 x 256 on wide outputs, else
-    4 x 1024, a 3-stage loop); block scales keep the bf16 rule's configs."""
+    tensor-core configs; M = 1 the fma GEMV with its FP8 tiles (8 x 256 on wide outputs, 16 x
+    512 at 4 stages on qkv, else 4 x 1024, 3 stages); block scales keep the bf16 rule's configs."""
     for N, K in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
         for M in (2, 5, 8):
             config = klinear.fp8_linear_config(M, N, K, torch.bfloat16)
@@ -290,8 +290,9 @@ def test_fp8_rule_takes_the_e4m3_tensor_core_kernel_for_two_to_eight_rows():
                 M, N, K, torch.bfloat16
             )
         gemv = klinear.fp8_linear_config(1, N, K, torch.bfloat16)
-        assert (gemv.kernel, gemv.block_m, gemv.num_stages) == ("fma", 1, 3)
-        assert (gemv.block_n, gemv.block_k) == ((8, 256) if N >= 4 * K else (4, 1024))
+        tile = (8, 256, 3) if N >= 4 * K else (16, 512, 4) if N > K else (4, 1024, 3)
+        assert (gemv.kernel, gemv.block_m) == ("fma", 1)
+        assert (gemv.block_n, gemv.block_k, gemv.num_stages) == tile
         assert klinear.fp8_linear_config(1, N, K, torch.bfloat16, block=True) == klinear.linear_config(
             1, N, K, torch.bfloat16
         )

@@ -833,7 +833,9 @@ def _choose_few_rows(M: int, N: int, K: int) -> LinearConfig | None:
 # - FP8 (half the bytes per element, so more steps in flight matter more): wide outputs
 #   (N >= 4K: gate_up) 8 x 256 tiles on 2 warps at 3 stages (llama 31.3 against 36.6 us, qwen3
 #   28.8 against 32.2), the rest 4 x 1024 at 3 stages (down 16.7 against 18.2): a llama-3.1-8b
-#   layer 63.7 us against 71.7.
+#   layer 63.7 us against 71.7. Outputs between K and 4K wide (qkv, 6144 x 4096) take 16 x 512
+#   tiles on 8 warps at 4 stages: 8.7 against 9.5 us there, and 8.8 against 9.4 in a second
+#   sweep (2026-11-27, `gemv_stages.py --bits`), where every other shape kept its tile.
 # Below 1024 outputs or with K in one step (K <= 1024), the rule of 2026-11-21 stands.
 def _choose_gemv(N: int, K: int) -> LinearConfig:
     """M = 1 with bf16/fp16 weights (see the rule above)."""
@@ -852,6 +854,8 @@ def _choose_fp8_gemv(N: int, K: int) -> LinearConfig | None:
         return None
     if N >= 4 * K:
         return LinearConfig("fma", 1, 8, 256, num_warps=2, num_stages=3)
+    if N > K:  # qkv: 16 x 512 tiles on 8 warps (see the rule above)
+        return LinearConfig("fma", 1, 16, 512, num_warps=8, num_stages=4)
     return LinearConfig("fma", 1, 4, 1024, num_warps=2, num_stages=3)
 
 
