@@ -8,8 +8,8 @@ weight plus their fp32 scales (embedding and LM head stay bf16). Mixture-of-expe
 
     python benchmarks/latency.py [--models qwen3-0.6b llama-3.1-8b qwen3-30b-a3b mixtral-8x7b] [--repeats 3] [--triton-ops off on] [--quantization fp8]
 
-On one H200 (benchmarks/RESULTS.md, 2026-11-27, 4696686): TPOT qwen3-0.6b 0.723 ms, llama-3.1-8b
-3.994 ms (95% of its floor), llama-3.1-8b with --quantization fp8 2.483 ms.
+On one H200 (benchmarks/RESULTS.md, 2026-11-27, 7f98f24): TPOT qwen3-0.6b 0.712 ms, llama-3.1-8b
+3.924 ms (97% of its floor), llama-3.1-8b with --quantization fp8 2.409 ms.
 """
 
 from __future__ import annotations
