@@ -62,6 +62,20 @@ def one_run(engine, prompt: list[int], rid: str) -> tuple[float, float]:
     return first - started, (last - first) / (OUTPUT_LEN - 1)
 
 
+def decode_wall_ms(engine, prompt: list[int], steps: int = 100) -> float:
+    """Wall ms per engine step of one greedy request decoding alone (it keeps running, up to 700
+    tokens: the caller aborts it): 8 steps first (the prefill, then decode from the graph)."""
+    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=700, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1e3 / steps
+
+
 def batch1_graph_ms(engine, reps: int = 50) -> float:
     """GPU time of one batch-1 decode step: the captured graph replayed alone (NaN without graphs)."""
     graphs = engine.runner.graphs

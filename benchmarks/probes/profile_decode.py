@@ -48,7 +48,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from latency import batch1_graph_ms
+from latency import batch1_graph_ms, decode_wall_ms
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.kernels import attention as tk
@@ -100,15 +100,7 @@ def profile_batch1(
         quantization=quantization,
     )  # fmt: skip
     engine = llm.engine
-    engine.add_request("p", PROMPT, SamplingParams(temperature=0, max_tokens=700, ignore_eos=True))
-    for _ in range(8):  # prefill, then decode steps from the graph
-        engine.step()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(100):
-        engine.step()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - started) * 1e3 / 100
+    wall_ms = decode_wall_ms(engine, PROMPT)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()

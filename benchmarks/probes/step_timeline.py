@@ -17,12 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import argparse
-import time
 
 import torch
-from latency import batch1_graph_ms
+from latency import batch1_graph_ms, decode_wall_ms
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM
 
 LM_HEAD_MIN_US = 150  # the step's longest kernel: the LM head GEMV (llama-3.1-8b: 242 us)
 
@@ -37,15 +36,7 @@ def main() -> None:
               quantization=args.quantization)  # fmt: skip
     engine = llm.engine
     prompt = [(7 * i + 3) % 10000 for i in range(128)]
-    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=700, ignore_eos=True))
-    for _ in range(8):
-        engine.step()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(100):
-        engine.step()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - started) * 10
+    wall_ms = decode_wall_ms(engine, prompt)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(12):
             engine.step()
