@@ -134,11 +134,7 @@ def _linear_fma_kernel(
             _prefetch_l2(w_ptr + ru_in[:, None] * stride_wn + lines[None, :])
         pdl_start(USE_PDL)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-        if EVEN_K:
-            x = tl.load(x_ptrs).to(tl.float32)
-        else:
-            k_mask = (k0 + rk) < K
-            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+        x = _x_step(x_ptrs, k0, rk, K, EVEN_K)
         acc = _fma_step(acc, x, w_ptrs, s_ptr, rn_in, k0, rk, K, stride_sn, W_SCALE, BLOCK_M, EVEN_K)
         if GATED:
             acc_up = _fma_step(acc_up, x, u_ptrs, s_ptr, ru_in, k0, rk, K, stride_sn, W_SCALE, BLOCK_M, EVEN_K)
@@ -154,6 +150,16 @@ def _linear_fma_kernel(
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     if PUSH_WORLD > 0:
         _ll_push_row(y, N, push_addrs, epoch_ptr, rank, y_ptr.dtype.element_ty, BLOCK_N, PUSH_WORLD)
+
+
+@triton.jit
+def _x_step(x_ptrs, k0, rk, K, EVEN_K: tl.constexpr):
+    """One K step of x's rows at x_ptrs [rows, BLOCK_K] in fp32 (zeros past K unless EVEN_K)."""
+    if EVEN_K:
+        x = tl.load(x_ptrs)
+    else:
+        x = tl.load(x_ptrs, mask=((k0 + rk) < K)[None, :], other=0.0)
+    return x.to(tl.float32)
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.launch import launch_options, pdl_start
-from nanoserve.kernels.linear import FP8_WEIGHT, LinearConfig, _fma_outputs, _fma_step, _prefetch_l2
+from nanoserve.kernels.linear import FP8_WEIGHT, LinearConfig, _fma_outputs, _fma_step, _prefetch_l2, _x_step
 from nanoserve.kernels.rotary import _to_cache, rope_reference
 
 
@@ -84,10 +84,7 @@ def _qkv_rope_gemv_kernel(
         _prefetch_l2(w_ptr + rn_in[:, None] * stride_wn + lines[None, :])
         pdl_start(USE_PDL)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-        if EVEN_K:
-            x = tl.load(x_ptrs).to(tl.float32)
-        else:
-            x = tl.load(x_ptrs, mask=((k0 + rk) < K)[None, :], other=0.0).to(tl.float32)
+        x = _x_step(x_ptrs, k0, rk, K, EVEN_K)
         acc = _fma_step(acc, x, w_ptrs, s_ptr, rn_in, k0, rk, K, 0, W_SCALE, 1, EVEN_K)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
