@@ -12,7 +12,8 @@ the output dtype (as the GEMV's store does), rotates the pairs of q and k heads 
 [q | k | v] in the GEMV's usual layout, and a k or v program also writes its heads into cache
 slot `slot_mapping[0]` (skipped when negative), as `store_kv` would.
 
-`qkv_rope_reference` is the torch twin (the product, then `rope_reference`, then the store).
+`qkv_rope_reference` is the torch twin of the output (the product, then `rope_reference`); the
+cache rows it writes are those `rotary.qk_norm_rope` writes from the same q|k|v.
 
 Invariants: one row; no q/k norm (Qwen3 keeps the two launches); the output equals the
 unfused GEMV + rotary kernel within one rounding step of the rotation (both round the product

@@ -19,9 +19,10 @@ the residual stream and one attention call's q/k/v (or its output) cross. `forwa
 exactly the pieces chained with `batch.attend` between them, so a caller that runs the
 pieces itself (piecewise CUDA graphs, nanoserve.engine.piecewise_graph) computes the
 same function. The only difference is where the new K/V are stored: `forward` hands each
-piece its layer's `KVSink` and the rotary kernel writes them; a caller that passes none
-leaves the store to the attention call. Every op inside a piece is row-wise (one token per
-row: norms, linears, rotary by position, SiLU): rows never mix outside attention.
+piece its layer's `KVSink` and the rotary kernel writes them (at one row the qkv GEMV itself
+rotates and stores where it can: `Attention._rotating_qkv`); a caller that passes none leaves
+the store to the attention call. Every op inside a piece is row-wise (one token per row:
+norms, linears, rotary by position, SiLU): rows never mix outside attention.
 """
 
 from __future__ import annotations
