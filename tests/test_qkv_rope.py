@@ -21,8 +21,9 @@ import torch
 
 from nanoserve.kernels import linear as klinear
 from nanoserve.kernels import qkv_rope, rotary
+from nanoserve.kernels.fp8 import dequantize_weight
 from nanoserve.kernels.linear import LinearConfig
-from nanoserve.models.layers import rope_inv_freq
+from nanoserve.models.layers import RotaryEmbedding
 from nanoserve.models.quantization import quantize_per_channel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -31,8 +32,9 @@ gpu = pytest.mark.gpu
 
 
 def tables(head_dim: int, max_pos: int, device):
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(head_dim, 10000.0, None))
-    return freqs.cos().to(device), freqs.sin().to(device)
+    """The model's cos/sin tables [max_pos, head_dim / 2] (fp32)."""
+    rotary = RotaryEmbedding(head_dim, max_pos, 10000.0, None)
+    return rotary.cos.to(device), rotary.sin.to(device)
 
 
 def setup(hq, hk, d, K, dtype, device, fp8, bias, cache_dtype, pages=4, page_size=4, seed=0):
@@ -80,8 +82,8 @@ def check(hq, hk, d, K, dtype, device, config, fp8=False, bias=False, cache_dtyp
     else:
         assert not kc.float().any() and not vc.float().any(), "a negative slot must be skipped"
     # the torch reference
-    w_ref = w.float() * s[:, None] if fp8 else w
-    ref = qkv_rope.qkv_rope_reference(x, w_ref.to(torch.float32), b, positions, cos, sin, hq, hk, d)
+    w_ref = dequantize_weight(w, s, False, torch.float32) if fp8 else w.float()
+    ref = qkv_rope.qkv_rope_reference(x, w_ref, b, positions, cos, sin, hq, hk, d)
     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
 

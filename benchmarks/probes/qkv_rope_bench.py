@@ -20,7 +20,7 @@ from attention import graph_ms
 from nanoserve.kernels import linear as klinear
 from nanoserve.kernels import qkv_rope, rotary
 from nanoserve.kernels.linear import LinearConfig
-from nanoserve.models.layers import rope_inv_freq
+from nanoserve.models.layers import RotaryEmbedding
 from nanoserve.models.quantization import quantize_per_channel
 
 HQ, HK, D, K = 32, 8, 128, 4096
@@ -29,8 +29,8 @@ HQ, HK, D, K = 32, 8, 128, 4096
 def main() -> None:
     dev, dt = "cuda", torch.bfloat16
     rows = (HQ + 2 * HK) * D
-    freqs = torch.outer(torch.arange(2048, dtype=torch.float32), rope_inv_freq(D, 500000.0, None))
-    cos, sin = freqs.cos().to(dev), freqs.sin().to(dev)
+    tables = RotaryEmbedding(D, 2048, 500000.0, None)
+    cos, sin = tables.cos.to(dev), tables.sin.to(dev)
     kc = torch.zeros(512, 16, HK, D, device=dev, dtype=dt)
     vc = torch.zeros_like(kc)
     positions, slots = torch.tensor([300], device=dev), torch.tensor([300], device=dev)

@@ -141,13 +141,16 @@ def qkv_rope_gemv(
     kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     w_scale: torch.Tensor | None = None,
     pdl: bool = True,
-    early_tables: bool = False,
+    early_tables: bool | None = None,
 ) -> torch.Tensor:
     """x [1, K] times the merged qkv weight [(Hq + 2 Hk) D, K] (bf16/fp16, or FP8 with
     per-channel `w_scale`) (+ bias), q and k rotated at positions[0] by the fp32 cos/sin tables
     [max_positions, D/2]: [1, (Hq + 2 Hk) D] in x's dtype. `kv_store` = (k_cache, v_cache,
     slot_mapping [1]): the rotated k and v also go into cache slot slot_mapping[0] (caches
-    [pages, page_size, Hk, D], dense in their last three dims, x's dtype or fp8)."""
+    [pages, page_size, Hk, D], dense in their last three dims, x's dtype or fp8).
+    `early_tables`: read the position and cos/sin before the K loop (None: on configs of at
+    most 2 warps, where values held in registers through the loop cost nothing; on 8 warps
+    they cost 2.4 us a call, llama-3.1-8b's qkv on an H200, benchmarks/probes/qkv_rope_bench.py)."""
     K = x.shape[1]
     rows = (num_q_heads + 2 * num_k_heads) * head_dim
     if x.shape[0] != 1 or x.stride(1) != 1 or weight.shape != (rows, K) or weight.stride(1) != 1:
@@ -172,7 +175,7 @@ def qkv_rope_gemv(
         EVEN_K=K % config.block_k == 0, LINE=min(config.block_k, 128 // weight.element_size()),
         LOOP_STAGES=config.num_stages, NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_dim,
         STORE_KV=kv_store is not None, TO_FP8=k_cache.element_size() == 1 and kv_store is not None,
-        EARLY_TABLES=early_tables,
+        EARLY_TABLES=config.num_warps <= 2 if early_tables is None else early_tables,
         num_warps=config.num_warps, **launch_options(x.device, pdl),
     )  # fmt: skip
     return out

@@ -127,12 +127,9 @@ class Attention(nn.Module):
         store = None
         if kv_sink is not None and sw.kv_store_in_rope:
             store = (kv_sink.k_cache, kv_sink.v_cache, kv_sink.slot_mapping)
-        # Tables read before the K loop stay in registers through it: free on 2 warps, 2.4 us a
-        # call on 8 (llama-3.1-8b's qkv, H200, benchmarks/probes/qkv_rope_bench.py).
         return qkv_rope.qkv_rope_gemv(
             x, proj.weight, proj.bias, config, positions, rotary.cos, rotary.sin, self.num_heads,
             self.num_kv_heads, self.head_dim, store, w_scale=None if fp8 is None else fp8.scale, pdl=sw.pdl,
-            early_tables=config.num_warps <= 2,
         )  # fmt: skip
 
     def after_attention(self, out: torch.Tensor) -> torch.Tensor | SplitKPartials:
