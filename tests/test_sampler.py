@@ -221,6 +221,25 @@ def test_fused_greedy_rows_are_torch_argmax(device, dtype):
     assert torch.equal(got, x.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("device", [ON_CPU, ON_GPU])
+def test_fused_sample_stores_into_the_pool_and_leaves_tickets_zero(device):
+    """With `pool`, row i's token also lands at pool[index[i]] (the engine's token pool) and
+    nothing else in the pool changes; each row's last program resets its ticket, so repeated
+    calls with other batch sizes and vocabulary splits keep drawing the argmax."""
+    shapes = [(6, 203), (3, 37)] if device == "cpu" else [(256, 151936), (1, 151936), (7, 997)]
+    for rows, vocab in shapes:
+        for programs in (1, 16) if device == "cpu" else (None, 1, 4096):
+            x, _ = tied_logits(max(rows, 4), vocab, torch.bfloat16, device)
+            x = x[:rows]
+            pool = torch.full((rows + 5,), -7, dtype=torch.long, device=device)
+            index = torch.randperm(rows + 5)[:rows].to(device)
+            got = kernels().fused_sample(x, torch.zeros(rows, device=device), 0, 0, programs, pool=(pool, index))
+            assert torch.equal(got, x.argmax(dim=-1)), (rows, vocab, programs)
+            want = torch.full_like(pool, -7).index_copy_(0, index, got)
+            assert torch.equal(pool, want), (rows, vocab, programs)
+            assert not kernels()._tickets(x.device, rows).any(), "a ticket was left non-zero"
+
+
 def uniform_ks(u: torch.Tensor) -> float:
     """Kolmogorov-Smirnov statistic x sqrt(n) of samples against U(0, 1)."""
     u = u.double().flatten().sort().values

@@ -472,12 +472,11 @@ class LLMEngine:
     def _queue_sampling(self, record: _InFlight, logits: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Queue the sampler on the device; its tokens also go to the token pool at each
         request's slot, where the next step reads them, and to pinned host memory."""
-        record.result = self.sampler.sample(logits, record.rows, mask)
-        tokens = record.result.tokens
         slots = record.slots
         if slots is None:
             slots = _on_device([r.slot for r in record.reqs], self.device)
-        self.runner.token_pool.index_copy_(0, slots, tokens)
+        record.result = self.sampler.sample(logits, record.rows, mask, pool=(self.runner.token_pool, slots))
+        tokens = record.result.tokens
         if tokens.is_cuda:
             # `record.result` holds `tokens` until `_process` has waited for this copy, so the
             # allocator cannot hand their memory out while the copy stream reads it.

@@ -13,7 +13,7 @@ same tokens whatever else is in the batch. Log-probabilities are those of the ra
 distribution (before penalties and temperature), as in OpenAI's API.
 
 Fast path (CUDA): a batch whose rows are all greedy or plain temperature sampling (no
-penalties, masks or seeds) goes through two Triton kernels (nanoserve/kernels/sampling.py) that read
+penalties, masks or seeds) goes through one Triton kernel (nanoserve/kernels/sampling.py) that reads
 the logits once in their own dtype and draw by inverse transform sampling, one uniform
 per row keyed by the sampler's seed and a count of its calls. Everything else, and every batch when
 KernelSwitches.fused_sampler off, takes the torch path above (its slow twin): greedy rows give the
@@ -174,18 +174,28 @@ class Sampler:
         """Host tokens and logprobs (syncs); the engine uses `sample` and converts later."""
         return self.sample(logits, rows, bitmask).to_host()
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None = None) -> SampleResult:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRow],
+        bitmask: torch.Tensor | None = None,
+        pool: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> SampleResult:
         """Tokens as a device tensor. No host sync unless a row has penalties (they read
         the request's history, built on the host). `bitmask`: int32 [N, ceil(vocab / 32)]
-        on the logits' device, the words each row may draw (structured outputs), or None."""
+        on the logits' device, the words each row may draw (structured outputs), or None.
+        `pool` (long [P], long [N]): the tokens are also stored at pool[0][pool[1]] (by the
+        fused kernel itself, else by a copy)."""
         plan = self._plan
         if plan is None or not plan.matches(rows):
             plan = self._plan = _BatchPlan(rows, logits.shape[1], logits.device, self.fused)
         if plan.fused:
-            tokens = fused_sample(logits, plan.row_temperature, self.seed, self.calls, bitmask=bitmask)
+            tokens = fused_sample(logits, plan.row_temperature, self.seed, self.calls, bitmask=bitmask, pool=pool)
             self.calls += 1
         else:
             tokens = self._sample_torch(logits, rows, plan, bitmask)
+            if pool is not None:
+                pool[0].index_copy_(0, pool[1], tokens)
         result = SampleResult(tokens, rows, plan.lp_rows)
         if result.lp_rows:
             idx = _device_tensor(result.lp_rows, logits.device, torch.long)

@@ -7,19 +7,25 @@ noise tensor of the same size, a fused argmax), which reads and writes about 1 G
 at batch 256 x 151,936 words; these kernels read the logits once in their own dtype (78 MB)
 plus one tile per row.
 
-How, in two launches:
-1. `_tile_stats_kernel`, a 2-D grid of rows x vocabulary chunks: each program walks its
-   chunk in tiles of BLOCK words and writes, per tile, the largest logit m and (rows with
-   T > 0) the tile's softmax mass s = sum of 2^((logit - m) * log2(e) / T). The chunk count
-   grows as the batch shrinks, so a batch of one row still spreads over many SMs.
-2. `_draw_kernel`, one program per row: with M the row's largest logit, tile j weighs
-   W_j = s_j * 2^((m_j - M) * log2(e) / T). A uniform u in (0, 1) picks the first tile whose
-   running sum of W passes u * sum(W), then, in that tile, the first word whose running sum
-   of the same per-word terms passes what is left: word w is chosen with probability
-   softmax(logits / T)[w]. Greedy rows (and rows with no finite positive mass, e.g. all
-   -inf or a +inf logit) take the first tile holding M and, in it, the first word equal to M.
-   The running sums and u are fp64 (u from 52 random bits), so no word's probability is lost
-   to the resolution of fp32.
+How, in one launch (`_sample_kernel`, a 2-D grid of rows x vocabulary chunks):
+1. each program walks its chunk in tiles of BLOCK words and writes, per tile, the largest
+   logit m, the first word holding it and (rows with T > 0) the tile's softmax mass s = sum of 2^((logit - m) * log2(e)
+   / T). The chunk count grows as the batch shrinks, so a batch of one row still spreads over
+   many SMs.
+2. the row's last program to finish (an atomic ticket per row) draws the row's token: with M
+   the row's largest logit, tile j weighs W_j = s_j * 2^((m_j - M) * log2(e) / T). A uniform u
+   in (0, 1) picks the first tile whose running sum of W passes u * sum(W), then, in that
+   tile, the first word whose running sum of the same per-word terms passes what is left:
+   word w is chosen with probability softmax(logits / T)[w]. Greedy rows (and rows with no
+   finite positive mass, e.g. all -inf or a +inf logit) take the first tile holding M and the
+   first word equal to M that its stats name. The running sums and u are fp64 (u from 52 random bits), so
+   no word's probability is lost to the resolution of fp32.
+   Optionally the token is also stored into a token pool at the row's index there (the
+   engine's next step reads it from the pool), so no copy kernel follows.
+One launch instead of a stats kernel and a draw kernel: a batch-1 decode step waited for
+each launch and gap between the LM head and the next step (H200, 2026-11-27, RESULTS.md).
+The tickets are a per-device int32 buffer of zeros that each row's last program resets, so
+calls on one device must not run concurrently (the engine samples on one stream).
 
 Token bitmask (structured outputs): an optional int32 [N, ceil(vocab / 32)] input whose bit j
 of word i says whether word 32 * i + j is allowed in that row; both kernels read a disallowed
@@ -67,6 +73,7 @@ MAX_CHUNKS = 8 if INTERPRET else 256
 # 132 SMs; a single row gets one chunk per tile).
 PROGRAMS_PER_SM = 8
 _num_sms: dict[int, int] = {}
+_ticket_buffers: dict[str, torch.Tensor] = {}
 
 
 @triton.jit
@@ -107,52 +114,39 @@ def _row_uniform(seed, row, step_lo, step_hi):
     return (u + 0.5) * 2.220446049250313e-16
 
 
-# Ints that vary from call to call are not specialized (Triton would compile a variant for a
-# value of 1 or a multiple of 16).
-@triton.jit(do_not_specialize=["tiles_per_chunk", "num_tiles"])
-def _tile_stats_kernel(
-    logits_ptr, temp_ptr, max_ptr, mass_ptr, mask_ptr, vocab, stride_row, mask_words, tiles_per_chunk, num_tiles,
-    BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0)
-    first = tl.program_id(1) * tiles_per_chunk
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    mask_row_ptr = mask_ptr + row.to(tl.int64) * mask_words
-    t, c = _inv_temperature(temp_ptr, row)
-    stats = row.to(tl.int64) * num_tiles
-    for tile in range(first, tl.minimum(first + tiles_per_chunk, num_tiles)):
+@triton.jit
+def _chunk_stats(row_ptr, mask_row_ptr, max_ptr, arg_ptr, mass_ptr, stats, t, c, vocab, first, last,
+                 BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):  # fmt: skip
+    """Per tile of [first, last): its largest logit, the first word holding it and (T > 0) its
+    softmax mass."""
+    for tile in range(first, last):
         x = _load_row_tile(row_ptr, vocab, tile, mask_row_ptr, BLOCK, HAS_MASK)
         m = tl.max(x, axis=0)
         tl.store(max_ptr + stats + tile, m)
+        tl.store(arg_ptr + stats + tile, tile * BLOCK + tl.argmax(x, axis=0, tie_break_left=True))
         if t > 0:  # greedy rows need no mass
             tl.store(mass_ptr + stats + tile, tl.sum(_terms(x, m, c), axis=0))
 
 
-@triton.jit(do_not_specialize=["num_tiles", "seed", "step_lo", "step_hi"])
-def _draw_kernel(
-    logits_ptr, temp_ptr, max_ptr, mass_ptr, mask_ptr, out_ptr, vocab, stride_row, mask_words, num_tiles, seed,
-    step_lo, step_hi, BLOCK: tl.constexpr, TILES: tl.constexpr, HAS_MASK: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    mask_row_ptr = mask_ptr + row.to(tl.int64) * mask_words
-    t, c = _inv_temperature(temp_ptr, row)
+@triton.jit
+def _draw_row(row_ptr, mask_row_ptr, max_ptr, arg_ptr, mass_ptr, stats, t, c, row, vocab, num_tiles, seed, step_lo,
+              step_hi, BLOCK: tl.constexpr, TILES: tl.constexpr, HAS_MASK: tl.constexpr):  # fmt: skip
+    """The row's token from its tile stats (see the module docstring). The stats were written
+    by other programs: read past L1 (.cg)."""
     j = tl.arange(0, TILES)
     j_ok = j < num_tiles
-    stats = row.to(tl.int64) * num_tiles
-    m = tl.load(max_ptr + stats + j, mask=j_ok, other=float("-inf"))
+    m = tl.load(max_ptr + stats + j, mask=j_ok, other=float("-inf"), cache_modifier=".cg")
     top = tl.max(m, axis=0)
 
     # Greedy (and the fallback of a row without finite mass): the first word equal to the
-    # largest logit, in the first tile that holds it.
+    # largest logit, in the first tile that holds it (whose stats name that word).
     top_tile = tl.min(tl.where(j_ok & (m == top), j, TILES), axis=0)
+    token = tl.load(arg_ptr + stats + top_tile, cache_modifier=".cg")
     k = tl.arange(0, BLOCK)
-    x = _load_row_tile(row_ptr, vocab, top_tile, mask_row_ptr, BLOCK, HAS_MASK)
-    token = top_tile * BLOCK + tl.min(tl.where(x == top, k, BLOCK), axis=0)
 
     if t > 0:
         # Tile weights relative to the row's max, their running sum (fp64), and the target.
-        mass = tl.load(mass_ptr + stats + j, mask=j_ok, other=0.0)
+        mass = tl.load(mass_ptr + stats + j, mask=j_ok, other=0.0, cache_modifier=".cg")
         weight = mass.to(tl.float64) * _terms(m, top, c).to(tl.float64)
         total = tl.sum(weight, axis=0)
         cum = tl.cumsum(weight, axis=0)
@@ -173,12 +167,42 @@ def _draw_kernel(
         word = tl.minimum(tl.min(tl.where(run > left, k, BLOCK), axis=0), last_word)
         finite = (total > 0) & (total < float("inf"))  # NaN fails both: the greedy fallback
         token = tl.where(finite, tile * BLOCK + word, token)
-    tl.store(out_ptr + row, token.to(tl.int64))
+    return token.to(tl.int64)
+
+
+# Ints that vary from call to call are not specialized (Triton would compile a variant for a
+# value of 1 or a multiple of 16).
+@triton.jit(do_not_specialize=["tiles_per_chunk", "num_tiles", "num_chunks", "seed", "step_lo", "step_hi"])
+def _sample_kernel(
+    logits_ptr, temp_ptr, max_ptr, arg_ptr, mass_ptr, mask_ptr, ticket_ptr, out_ptr, pool_ptr, pool_index_ptr,
+    vocab, stride_row, mask_words, tiles_per_chunk, num_tiles, num_chunks, seed, step_lo, step_hi,
+    BLOCK: tl.constexpr, TILES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_POOL: tl.constexpr,
+):  # fmt: skip
+    """Program (row, chunk): the stats of the chunk's tiles; the row's last program to finish
+    (a ticket per row, reset to 0 by that program for the next call) draws the row's token."""
+    row = tl.program_id(0)
+    first = tl.program_id(1) * tiles_per_chunk
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    mask_row_ptr = mask_ptr + row.to(tl.int64) * mask_words
+    t, c = _inv_temperature(temp_ptr, row)
+    stats = row.to(tl.int64) * num_tiles
+    last = tl.minimum(first + tiles_per_chunk, num_tiles)
+    _chunk_stats(row_ptr, mask_row_ptr, max_ptr, arg_ptr, mass_ptr, stats, t, c, vocab, first, last, BLOCK, HAS_MASK)
+    # Every thread's stores come before the ticket (the barrier), and the ticket's release /
+    # acquire orders them before the last program's reads.
+    tl.debug_barrier()
+    if tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel", scope="gpu") == num_chunks - 1:
+        tl.store(ticket_ptr + row, 0)
+        token = _draw_row(row_ptr, mask_row_ptr, max_ptr, arg_ptr, mass_ptr, stats, t, c, row, vocab, num_tiles,
+                          seed, step_lo, step_hi, BLOCK, TILES, HAS_MASK)  # fmt: skip
+        tl.store(out_ptr + row, token)
+        if HAS_POOL:
+            tl.store(pool_ptr + tl.load(pool_index_ptr + row), token)
 
 
 @triton.jit(do_not_specialize=["seed", "step_lo", "step_hi"])
 def _uniforms_kernel(out_ptr, seed, step_lo, step_hi):
-    """Test twin: the uniform `_draw_kernel` uses for row program_id(0)."""
+    """Test twin: the uniform the draw uses for row program_id(0)."""
     row = tl.program_id(0)
     tl.store(out_ptr + row, _row_uniform(seed, row, step_lo, step_hi))
 
@@ -190,6 +214,16 @@ def _programs_target(device: torch.device) -> int:
     if index not in _num_sms:
         _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return PROGRAMS_PER_SM * _num_sms[index]
+
+
+def _tickets(device: torch.device, rows: int) -> torch.Tensor:
+    """The per-row tickets of `_sample_kernel` on `device`: zeros between calls (each row's
+    last program resets its own), grown as batches grow."""
+    key = str(device)
+    buf = _ticket_buffers.get(key)
+    if buf is None or buf.numel() < rows:
+        buf = _ticket_buffers[key] = torch.zeros(max(rows, 256), dtype=torch.int32, device=device)
+    return buf
 
 
 def split_vocab(rows: int, num_tiles: int, programs: int) -> tuple[int, int]:
@@ -248,11 +282,13 @@ def fused_sample(
     step: int,
     programs: int | None = None,
     bitmask: torch.Tensor | None = None,
+    pool: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One token per row of `logits` [N, vocab] (any float dtype, words dense): a draw from
     softmax(logits / T), or the argmax where T == 0. `temperature`: fp32 [N] on the logits'
     device. `seed`, `step`: host ints keying the uniforms. `bitmask`: optional int32
-    [N, ceil(vocab / 32)] of allowed words (see the module docstring). Returns long [N]."""
+    [N, ceil(vocab / 32)] of allowed words (see the module docstring). `pool`: optional
+    (long [P], long [N]): row i's token is also stored at pool[0][pool[1][i]]. Returns long [N]."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows == 0:
@@ -263,6 +299,7 @@ def fused_sample(
     programs = programs if programs is not None else _programs_target(logits.device)
     per_chunk, num_chunks = split_vocab(rows, num_tiles, programs)
     tile_max = torch.empty(rows, num_tiles, dtype=torch.float32, device=logits.device)
+    tile_arg = torch.empty(rows, num_tiles, dtype=torch.int32, device=logits.device)
     tile_mass = torch.empty(rows, num_tiles, dtype=torch.float32, device=logits.device)
     has_mask = bitmask is not None
     if has_mask:
@@ -270,13 +307,10 @@ def fused_sample(
         assert bitmask.dtype == torch.int32 and bitmask.shape == (rows, triton.cdiv(vocab, 32)), "bad bitmask shape"
     mask_arg = bitmask if has_mask else out  # never read without HAS_MASK
     words = triton.cdiv(vocab, 32)
-    _tile_stats_kernel[(rows, num_chunks)](
-        logits, temperature, tile_max, tile_mass, mask_arg, vocab, logits.stride(0), words, per_chunk, num_tiles,
-        BLOCK=BLOCK, HAS_MASK=has_mask, num_warps=NUM_WARPS,
-    )  # fmt: skip
-    _draw_kernel[(rows,)](
-        logits, temperature, tile_max, tile_mass, mask_arg, out, vocab, logits.stride(0), words, num_tiles,
-        *_noise_key(seed, step), BLOCK=BLOCK, TILES=triton.next_power_of_2(num_tiles), HAS_MASK=has_mask,
-        num_warps=NUM_WARPS,
+    pool_arg, index_arg = pool if pool is not None else (out, out)  # never read without HAS_POOL
+    _sample_kernel[(rows, num_chunks)](
+        logits, temperature, tile_max, tile_arg, tile_mass, mask_arg, _tickets(logits.device, rows), out, pool_arg, index_arg,
+        vocab, logits.stride(0), words, per_chunk, num_tiles, num_chunks, *_noise_key(seed, step), BLOCK=BLOCK,
+        TILES=triton.next_power_of_2(num_tiles), HAS_MASK=has_mask, HAS_POOL=pool is not None, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
