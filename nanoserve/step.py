@@ -40,6 +40,9 @@ class ForwardInputs:
     # from the token pool. It runs when the forward is launched, not when the inputs are
     # prepared, so a step can be prepared before the sampling that produces them is queued.
     pending: PendingTokens | None = None
+    # Set in a decode graph's inputs on one GPU: the graph's embedding reads the ids < 0 from
+    # the token pool at these entries itself (long [T]), so `pending` is not read before it.
+    pool_index: torch.Tensor | None = None
     # Whether a prefill/extend batch runs the piecewise graphs: None lets the runner decide
     # (`ModelRunner.uses_piecewise`); tensor-parallel rank 0 decides and its workers follow.
     piecewise: bool | None = None

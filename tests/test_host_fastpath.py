@@ -154,9 +154,11 @@ class _EagerGraph:
         g.outputs[(self.bs, self.cascade)].copy_(self.runner.forward_logits(inputs))
 
 
-def emulate_graphs(llm: LLM, max_bs: int) -> DecodeGraphs:
+def emulate_graphs(llm: LLM, max_bs: int, reads_pool: bool = False) -> DecodeGraphs:
     runner = llm.engine.runner
-    g = DecodeGraphs(runner, max_bs, llm.engine.max_model_len, cascade=runner.cascade_members > 0)
+    g = DecodeGraphs(
+        runner, max_bs, llm.engine.max_model_len, cascade=runner.cascade_members > 0, reads_pool=reads_pool
+    )
     for bs in g.sizes:
         for cascade in (False, True) if g.has_cascade(bs) else (False,):
             with torch.inference_mode():  # as in `capture`: views made there are inference views
@@ -186,11 +188,11 @@ def test_engine_with_graphs_freed_without_the_collector(model_dir):
     assert not any(alive), alive
 
 
-def make_llm(model_dir, overlap: bool, graphs_bs: int = 0, **kw) -> LLM:
+def make_llm(model_dir, overlap: bool, graphs_bs: int = 0, reads_pool: bool = False, **kw) -> LLM:
     llm = LLM(str(model_dir), device="cpu", **kw)
     llm.engine.overlap = overlap
     if graphs_bs:
-        emulate_graphs(llm, graphs_bs)
+        emulate_graphs(llm, graphs_bs, reads_pool)
     return llm
 
 
@@ -275,6 +277,20 @@ def test_emulated_graphs_same_greedy_tokens(model_dir):
         graphs = llm.generate(prompts, params, use_tqdm=False)
         assert_idle(llm)
         assert seen["graph"] > 0
+        assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
+
+
+def test_emulated_graphs_reading_the_token_pool_same_greedy_tokens(model_dir):
+    """Graphs whose forward reads the pending ids from the token pool itself (one GPU): the
+    same tokens as eager runs."""
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    kw = {"max_num_seqs": 8, "max_model_len": 128, "page_size": 4}
+    for num in (1, 5):
+        prompts = random_prompts(num, seed=num, max_len=30)
+        eager = make_llm(model_dir, True, **kw).generate(prompts, params, use_tqdm=False)
+        llm = make_llm(model_dir, True, graphs_bs=8, reads_pool=True, **kw)
+        graphs = llm.generate(prompts, params, use_tqdm=False)
+        assert_idle(llm)
         assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
 
 

@@ -153,12 +153,15 @@ class KVSink:
 @dataclass
 class ForwardBatch:
     """What the model's attention layers need for one forward: the batch's metadata, the
-    backend that computes attention and the per-layer KV tensors (lists indexed by layer)."""
+    backend that computes attention and the per-layer KV tensors (lists indexed by layer);
+    and, where the embedding resolves the ids still being sampled (`token_pool`: the pool and
+    each row's entry), what it reads them from."""
 
     meta: AttentionMetadata
     backend: AttentionBackend
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
+    token_pool: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def kv_sink(self, layer_id: int) -> KVSink:
         return KVSink(self.k_caches[layer_id], self.v_caches[layer_id], self.meta.slot_mapping, self.backend)

@@ -81,10 +81,14 @@ def default_max_bs(device: torch.device, max_num_seqs: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_bs: int, max_seq_len: int, cascade: bool = False):
+    def __init__(self, runner, max_bs: int, max_seq_len: int, cascade: bool = False, reads_pool: bool = False):
+        """`reads_pool`: the graphs' embedding reads the input ids still being sampled from
+        the runner's token pool (one GPU; a tensor-parallel worker has no pool, rank 0
+        resolves the ids before it broadcasts them)."""
         # `runner` is not kept: it owns these graphs, and a reference back would make the pair a
         # cycle that only the garbage collector frees (with the KV cache behind it).
         self.max_bs = max_bs
+        self.reads_pool = reads_pool
         self.max_seq_len = max_seq_len
         self.sizes = graph_batch_sizes(max_bs)
         self.cascade = cascade
@@ -150,7 +154,9 @@ class DecodeGraphs:
             max_seq_len=self.max_seq_len,
             cascade=cascade_inputs(v) if cascade else None,
         )
-        return ForwardInputs(v["input_ids"], v["positions"], meta, None)
+        inputs = ForwardInputs(v["input_ids"], v["positions"], meta, None)
+        inputs.pool_index = v["pool_index"] if self.reads_pool else None
+        return inputs
 
     @torch.inference_mode()
     def capture(self, runner) -> None:
@@ -211,6 +217,7 @@ class DecodeGraphs:
         if inputs.input_ids.data_ptr() != v["input_ids"].data_ptr():  # not prepared in place
             meta = inputs.meta
             assert meta.cascade is None, "cascade steps are prepared in place"
+            assert not self.reads_pool, "one-GPU steps are prepared in place (pool_index too)"
             v["input_ids"].copy_(inputs.input_ids, non_blocking=True)
             v["positions"].copy_(inputs.positions, non_blocking=True)
             v["seq_lens"].copy_(meta.seq_lens, non_blocking=True)

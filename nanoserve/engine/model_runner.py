@@ -125,7 +125,9 @@ class ModelRunner:
         max_bs = cfg.cuda_graph_max_bs
         max_bs = default_max_bs(self.device, cfg.max_num_seqs) if max_bs is None else min(max_bs, cfg.max_num_seqs)
         max_bs = tp.agree_min(max_bs, self.device)
-        self.graphs = DecodeGraphs(self, max_bs, max_model_len, cascade=self.cascade_members > 0)
+        self.graphs = DecodeGraphs(
+            self, max_bs, max_model_len, cascade=self.cascade_members > 0, reads_pool=tp.size == 1
+        )
         self.graphs.capture(self)
 
     @torch.inference_mode()  # writes into graph buffers whose views were made in inference mode
@@ -338,7 +340,11 @@ class ModelRunner:
     def execute(self, inputs: ForwardInputs) -> torch.Tensor:
         """Logits [number of sampled rows, vocab]: the forward pass of one batch, replayed
         from a CUDA graph when `prepare` chose one. Every tensor-parallel rank runs this
-        on the same inputs. Pending input ids are read from the token pool first."""
+        on the same inputs. Pending input ids are read from the token pool first (by the
+        graph's own embedding kernel where the graphs read the pool)."""
+        if inputs.graph_bs is not None and self.graphs.reads_pool:
+            inputs.pending = None
+            return self.graphs.replay(inputs)
         self.read_pending_tokens(inputs)
         if inputs.graph_bs is not None:
             return self.graphs.replay(inputs)
@@ -356,7 +362,8 @@ class ModelRunner:
         decides where set: under tensor parallelism every rank must run the same kernels and
         collectives, so the workers follow rank 0)."""
         self.backend.prepare(inputs.meta)
-        batch = ForwardBatch(inputs.meta, self.backend, self.kv_cache.k, self.kv_cache.v)
+        pool = None if inputs.pool_index is None else (self.token_pool, inputs.pool_index)
+        batch = ForwardBatch(inputs.meta, self.backend, self.kv_cache.k, self.kv_cache.v, pool)
         piecewise = self.uses_piecewise(inputs) if inputs.piecewise is None else inputs.piecewise
         if piecewise:
             if self.piecewise is None:

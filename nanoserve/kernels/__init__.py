@@ -5,7 +5,8 @@
   `gather_kv`.
 - linear.py: the small-M matmul of decode batches (GEMV, tensor-core tiles, deterministic
   split-K) and the measured rule that picks it over cuBLAS; `linear_reference`.
-- norm.py: RMSNorm with the residual add (and the split-K sum); `rms_norm_reference`.
+- norm.py: RMSNorm with the residual add (and the split-K sum, or the embedding gather of a
+  decode graph's first kernel); `rms_norm_reference`, `embed_rms_norm_reference`.
 - rotary.py: q/k per-head RMSNorm + rotary + KV store in one launch; `rope_reference`.
 - activation.py: SiLU-and-mul; `silu_and_mul_reference`.
 - all_reduce.py, ll_words.py: the tensor-parallel all-reduce fused with the residual add and

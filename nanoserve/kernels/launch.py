@@ -13,10 +13,10 @@ is still running. Invariants every such kernel keeps:
   written, and before it writes anything; until then it may only read weights (never written
   during a forward) and the step's inputs (positions, lengths, page tables, cache slots),
   which are in place before the forward's first kernel starts: that kernel, the embedding
-  lookup, is a torch op, never a PDL launch, so it starts only after the copy (or, on a
-  tensor-parallel worker, the broadcast) that wrote them has completed, and every later
-  kernel starts after it. `gdc_wait` returns once the previous kernel has completed and its
-  writes are visible, so results never depend on the overlap;
+  lookup (a torch op, or `norm.embed_rms_norm`), is never a PDL launch, so it starts only
+  after the copy (or, on a tensor-parallel worker, the broadcast) that wrote them has
+  completed, and every later kernel starts after it. `gdc_wait` returns once the previous
+  kernel has completed and its writes are visible, so results never depend on the overlap;
 - `gdc_launch_dependents()` lets the next kernel launch early; that kernel still waits for
   this one to complete in its own `gdc_wait`, so calling it first thing is always safe.
 Measured on an H200 (batch-1 decode step, benchmarks/probes/profile_decode.py --pdl off on): the

@@ -1,6 +1,10 @@
 """RMSNorm of each row, optionally after adding the residual (returning the sum too), one
 program per row; it also sums a split-K product's fp32 partials first (`linear.py`), so that
-product needs no sum kernel of its own.
+product needs no sum kernel of its own, or gathers its rows from an embedding table
+(`embed_rms_norm`: a decode graph's first kernel, which also reads the input ids still being
+sampled from the engine's token pool). That gather saved the pool's index_select before the
+graph and the embedding's own lookup: 7-8 us with their gaps per batch-1 decode step on an H200
+(2026-11-27, RESULTS.md).
 
 As fast as the torch.compile'd reference (1.46 vs 1.45 us per call at hidden 1024, 1.92 vs
 2.16 at 4096 on an H200) and, unlike it, lets the next matmul launch early under PDL.
@@ -34,6 +38,25 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torc
     return rms_norm_reference(x, weight, eps), x
 
 
+def resolve_pending(ids: torch.Tensor, pool: torch.Tensor, pool_index: torch.Tensor) -> torch.Tensor:
+    """ids with each id < 0 (a token still being sampled) replaced, in place, by
+    pool[pool_index[row]]."""
+    return torch.where(ids < 0, pool[pool_index], ids, out=ids)
+
+
+def embed_rms_norm_reference(
+    ids: torch.Tensor,
+    pool: torch.Tensor,
+    pool_index: torch.Tensor,
+    table: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(rows), rows), rows = table[ids] once the pending ids are resolved in place."""
+    rows = torch.nn.functional.embedding(resolve_pending(ids, pool, pool_index), table)
+    return rms_norm_reference(rows, weight, eps), rows
+
+
 @triton.jit
 def _lanes(d, HALF: tl.constexpr):
     """The valid lanes of a half head. A power-of-two half needs no lane mask: leaving it out
@@ -45,20 +68,30 @@ def _lanes(d, HALF: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, stride_plane, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, ids_ptr, pool_ptr, index_ptr,
+    stride_x, stride_r, stride_o, stride_s, stride_plane, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, GATHER: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program r: row r of x (SPLITS == 0), or of the sum of SPLITS fp32 planes of a split-K
     product (x_ptr: the workspace [SPLITS, M, N], planes `stride_plane` apart), added in
     split order and rounded once to the output dtype exactly as `_sum_splits_kernel` would;
-    then the residual add and the norm."""
+    then the residual add and the norm. GATHER: row ids[r] of the table x (an id < 0 read
+    from pool[index[r]] and written back), stored to sum_ptr as the stream's start."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = _lanes(cols, N)
     dtype = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)  # the next matmul starts streaming its weights now
-    if SPLITS > 0:
+    if GATHER:
+        token = tl.load(ids_ptr + row)
+        if token < 0:
+            token = tl.load(pool_ptr + tl.load(index_ptr + row))
+            tl.store(ids_ptr + row, token)
+        x = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0)
+        tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+    elif SPLITS > 0:
         x = _sum_planes(x_ptr + row * stride_x + cols, stride_plane, mask, SPLITS).to(dtype)  # its one rounding
     else:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -103,9 +136,36 @@ def rms_norm(
         block = triton.next_power_of_2(n)
         r = residual if residual is not None else out
         _rms_norm_kernel[(tokens,)](
-            x, r, weight, out, total, x.stride(-2), r.stride(0), out.stride(0), total.stride(0),
+            x, r, weight, out, total, out, out, out, x.stride(-2), r.stride(0), out.stride(0), total.stride(0),
             tokens * n if splits else 0, eps,
-            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, SPLITS=splits,
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, SPLITS=splits, GATHER=False,
             num_warps=min(16, max(1, block // 256)), **launch_options(x.device, pdl),
         )  # fmt: skip
     return out if residual is None else (out, total)
+
+
+def embed_rms_norm(
+    ids: torch.Tensor,
+    pool: torch.Tensor,
+    pool_index: torch.Tensor,
+    table: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(rows), rows) for rows = table[ids] (long [T]; table [V, N], dense rows), where
+    an id < 0 is a token still being sampled: read from pool[pool_index[row]] (long) and
+    written back into ids. One launch, never under PDL: it is a forward's first kernel (see
+    launch.py); `embed_rms_norm_reference` is its torch twin."""
+    tokens, n = ids.shape[0], table.shape[1]
+    if table.stride(1) != 1 or weight.dtype != table.dtype:
+        raise ValueError("embed_rms_norm needs a table with dense rows in the weight's dtype")
+    out = torch.empty(tokens, n, dtype=table.dtype, device=table.device)
+    rows = torch.empty_like(out)
+    if tokens:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(tokens,)](
+            table, out, weight, out, rows, ids, pool, pool_index, table.stride(0), 0, out.stride(0), rows.stride(0),
+            0, eps, N=n, BLOCK=block, HAS_RESIDUAL=False, SPLITS=0, GATHER=True,
+            num_warps=min(16, max(1, block // 256)), USE_PDL=False,
+        )  # fmt: skip
+    return out, rows

@@ -167,7 +167,11 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm.start_stream(hidden, reduce_over=self.tp)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, reduce_over=self.tp)
-        return AttentionInputs(*self.self_attn.before_attention(positions, hidden, rotary, kv_sink), residual)
+        return self.attention_inputs(positions, hidden, residual, rotary, kv_sink)
+
+    def attention_inputs(self, positions, normed, residual, rotary, kv_sink: KVSink | None = None) -> AttentionInputs:
+        """The attention inputs of the input norm's output `normed` (see `before_attention`)."""
+        return AttentionInputs(*self.self_attn.before_attention(positions, normed, rotary, kv_sink), residual)
 
     def after_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor
@@ -209,14 +213,21 @@ class DecoderLM(nn.Module):
         attn_out: torch.Tensor | None,
         residual: torch.Tensor | None,
         kv_sink: KVSink | None = None,
+        token_pool: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> AttentionInputs | torch.Tensor:
-        """Piece i of the forward (see the module docstring). Piece 0 reads `input_ids`;
+        """Piece i of the forward (see the module docstring). Piece 0 reads `input_ids` (ids
+        < 0 from `token_pool`, see `VocabParallelEmbedding.forward`);
         piece i > 0 reads layer i-1's attention output `attn_out` [T, Hq, D] and the
         `residual` that entered it. Pieces 0..L-1 return layer i's AttentionInputs (with
         `kv_sink`, layer i's new K/V are already in its cache); piece L returns the hidden
         states [T, hidden] after the final norm."""
+        if i == 0 and token_pool is not None:
+            first = self.layers[0]
+            fused = first.input_layernorm.embed_start(input_ids, token_pool, self.embed_tokens)
+            if fused is not None:  # the lookup and the input norm in one launch
+                return first.attention_inputs(positions, *fused, self.rotary, kv_sink)
         if i == 0:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed_tokens(input_ids, token_pool), None
         else:
             hidden, residual = self.layers[i - 1].after_attention(attn_out, residual)
         if i == len(self.layers):
@@ -232,7 +243,8 @@ class DecoderLM(nn.Module):
         before the attention, in the rotary kernel on CUDA (one launch less per layer)."""
         attn_out = residual = None
         for i in range(len(self.layers)):
-            q, k, v, residual = self.piece(i, positions, input_ids, attn_out, residual, batch.kv_sink(i))
+            pool = batch.token_pool if i == 0 else None
+            q, k, v, residual = self.piece(i, positions, input_ids, attn_out, residual, batch.kv_sink(i), pool)
             attn_out = batch.attend(i, q, k, v, self.attention_scale(i), kv_stored=True)
         return self.piece(len(self.layers), positions, input_ids, attn_out, residual)
 

@@ -290,6 +290,17 @@ class RMSNorm(_SwitchedLayer):
             return add_rms_norm(x, residual, self.weight, self.eps, switches=switches)
         return rms_norm(x, self.weight, self.eps, switches=switches)
 
+    def embed_start(
+        self, ids: torch.Tensor, token_pool: tuple[torch.Tensor, torch.Tensor], embedding: VocabParallelEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The first layer's input norm fused with the embedding lookup and the token pool's
+        pending ids (see `VocabParallelEmbedding.forward`): (normed, stream), or None where it
+        does not apply (tensor parallelism, the torch path)."""
+        table = embedding.weight
+        if embedding.tp.size > 1 or not (self.switches.triton_ops and ids.is_cuda) or table.dtype != self.weight.dtype:
+            return None
+        return norm.embed_rms_norm(ids, *token_pool, table, self.weight, self.eps)
+
     def start_stream(self, x: torch.Tensor, reduce_over: TPGroup = SINGLE) -> tuple[torch.Tensor, torch.Tensor]:
         """The first layer's input norm: x is the residual stream's start (the embedding;
         under TP this rank's partial sums of it). Returns (normed, stream): summed over the
@@ -619,11 +630,16 @@ class VocabParallelEmbedding(_SwitchedLayer):
         param.data.zero_()
         param.data[: part.shape[0]].copy_(part)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, token_pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Embeddings of ids [T]; under TP this rank's partial sums of them (its vocabulary
         slice's rows, zeros for other ids), which the first layer's input norm sums over the
         group (`RMSNorm.start_stream`), written where `partial_out` says so that the sum
-        can take the fused path (slot 1: see nanoserve/distributed/symm_all_reduce.py)."""
+        can take the fused path (slot 1: see nanoserve/distributed/symm_all_reduce.py).
+        `token_pool` (pool, pool_index): ids < 0 are tokens still being sampled, read from
+        pool[pool_index[row]] and written back into ids first (on CUDA the first layer's input
+        norm gathers the rows itself instead: `RMSNorm.embed_start`)."""
+        if token_pool is not None:
+            norm.resolve_pending(ids, *token_pool)
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         # Rows outside this rank's slice are zeros, so the sum over ranks is exact in any dtype.
