@@ -280,11 +280,22 @@ def test_emulated_graphs_same_greedy_tokens(model_dir):
         assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
 
 
-def test_emulated_graphs_reading_the_token_pool_same_greedy_tokens(model_dir):
-    """Graphs whose forward reads the pending ids from the token pool itself (one GPU): the
-    same tokens as eager runs."""
+def test_emulated_graphs_reading_the_token_pool_same_greedy_tokens(model_dir, monkeypatch):
+    """Graphs whose forward reads the pending ids from the token pool itself (one GPU), and
+    whose page table is copied only when it changed: the same tokens as eager runs, with
+    copies skipped on some steps and made on others (pages of 4 tokens)."""
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     kw = {"max_num_seqs": 8, "max_model_len": 128, "page_size": 4}
+    copies = {"made": 0, "skipped": 0}
+    real = DecodeGraphs.staged_page_table
+
+    def counted(self, layout, bs, width, host=None):
+        before = self._staged_host
+        table = real(self, layout, bs, width, host)
+        copies["skipped" if before is not None and self._staged_host is before else "made"] += 1
+        return table
+
+    monkeypatch.setattr(DecodeGraphs, "staged_page_table", counted)
     for num in (1, 5):
         prompts = random_prompts(num, seed=num, max_len=30)
         eager = make_llm(model_dir, True, **kw).generate(prompts, params, use_tqdm=False)
@@ -292,6 +303,7 @@ def test_emulated_graphs_reading_the_token_pool_same_greedy_tokens(model_dir):
         graphs = llm.generate(prompts, params, use_tqdm=False)
         assert_idle(llm)
         assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
+    assert copies["made"] > 0 and copies["skipped"] > 0, copies
 
 
 def first_decode_step(llm: LLM, seed: int):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -40,6 +41,9 @@ from nanoserve.engine.packed_inputs import PackedLayout
 from nanoserve.step import ForwardInputs
 
 log = logging.getLogger("nanoserve")
+
+
+MEMO_TABLE_ENTRIES = 1 << 16  # page tables up to this size are compared with the last one staged
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -105,6 +109,7 @@ class DecodeGraphs:
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.memory_bytes = 0
+        self._staged_host: np.ndarray | None = None  # the table last staged into page_table[:bs, :width]
 
     def padded_size(self, batch: int) -> int | None:
         """The smallest captured size >= batch, or None (run eagerly)."""
@@ -132,11 +137,24 @@ class DecodeGraphs:
         worker receives into its own."""
         return self.static[: decode_layout(bs, width).nbytes]
 
-    def staged_page_table(self, layout: PackedLayout, bs: int, width: int) -> torch.Tensor:
+    def staged_page_table(
+        self, layout: PackedLayout, bs: int, width: int, host: np.ndarray | None = None
+    ) -> torch.Tensor:
         """Graph bs's page table [bs, width], filled from the table a step packed into `static`
-        (laid out by `layout`): the one field that does not lie where the graph reads it."""
+        (laid out by `layout`): the one field that does not lie where the graph reads it.
+        `host`: that table on the host, if the caller has it. When it equals the last one
+        staged at the same size, `page_table` already holds it and the copy is skipped: a
+        decode batch's table changes only when a request enters a new page or the batch
+        changes (a device-to-device copy and its gap, ~2.7 us per batch-1 step on an H200,
+        2026-11-27)."""
         table = self.page_table[:bs, :width]
+        last = self._staged_host
+        if host is not None and last is not None and last.shape == host.shape and np.array_equal(last, host):
+            return table
         table.copy_(layout.torch_view(self.static, "page_table").view(bs, width))
+        # Large tables are always copied: comparing them would cost the host more than the gap.
+        keep = host is not None and host.size <= MEMO_TABLE_ENTRIES
+        self._staged_host = host.copy() if keep else None
         return table
 
     def _static_inputs(self, bs: int, cascade: bool) -> ForwardInputs:
@@ -226,5 +244,6 @@ class DecodeGraphs:
             v["slot_mapping"].copy_(meta.slot_mapping, non_blocking=True)
             width = meta.page_table.shape[1]
             self.page_table[:bs, :width].copy_(meta.page_table, non_blocking=True)
+            self._staged_host = None
         self.graphs[key].replay()
         return self.outputs[key][:n]

@@ -193,7 +193,7 @@ class ModelRunner:
             g = self.graphs
             g.static[: layout.nbytes].copy_(host, non_blocking=True)
             d = g.views(bs, plan is not None)
-            page_table = g.staged_page_table(layout, bs, width)
+            page_table = g.staged_page_table(layout, bs, width, host=table)
         else:
             d = layout.torch_views(self._to_device(host))
             page_table = d["page_table"].view(bs, width)
