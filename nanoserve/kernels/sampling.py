@@ -18,8 +18,8 @@ How, in one launch (`_sample_kernel`, a 2-D grid of rows x vocabulary chunks):
    tile, the first word whose running sum of the same per-word terms passes what is left:
    word w is chosen with probability softmax(logits / T)[w]. Greedy rows (and rows with no
    finite positive mass, e.g. all -inf or a +inf logit) take the first tile holding M and the
-   first word equal to M that its stats name. The running sums and u are fp64 (u from 52 random bits), so
-   no word's probability is lost to the resolution of fp32.
+   first word equal to M that its stats name. The running sums and u are fp64 (u from 52
+   random bits), so no word's probability is lost to the resolution of fp32.
    Optionally the token is also stored into a token pool at the row's index there (the
    engine's next step reads it from the pool), so no copy kernel follows.
 One launch instead of a stats kernel and a draw kernel: a batch-1 decode step waited for
