@@ -54,4 +54,4 @@ class PendingTokens:
 
     ids: torch.Tensor  # long [n]: the real rows of input_ids (a view: written in place)
     pool_index: torch.Tensor  # long [n]: each row's token-pool entry
-    rows: torch.Tensor | None  # bool [n] on the device: which rows; None: all of them
+    every_row: bool  # all n rows are pending (one gather); else the ids < 0 say which

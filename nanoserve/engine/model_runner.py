@@ -22,6 +22,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.cuda_graph import DecodeGraphs, cascade_inputs, decode_layout, default_max_bs
 from nanoserve.engine.packed_inputs import PackedLayout
 from nanoserve.engine.piecewise_graph import PiecewiseGraphs, piecewise_sizes
+from nanoserve.kernels.norm import resolve_pending
 from nanoserve.kvcache.pool import KVCache
 from nanoserve.models.decoder import DecoderLM, kv_heads_per_rank
 from nanoserve.models.model_config import ModelConfig
@@ -322,7 +323,7 @@ class ModelRunner:
             return None
         n = len(pending)
         ids, index = d["input_ids"][:n], d["pool_index"][:n]
-        return PendingTokens(ids, index, None if pending.all() else ids < 0)
+        return PendingTokens(ids, index, bool(pending.all()))
 
     @torch.inference_mode()  # writes into graph buffers whose views were made in inference mode
     def read_pending_tokens(self, inputs: ForwardInputs) -> None:
@@ -331,10 +332,10 @@ class ModelRunner:
         p, inputs.pending = inputs.pending, None
         if p is None:
             return
-        if p.rows is None:
+        if p.every_row:
             torch.index_select(self.token_pool, 0, p.pool_index, out=p.ids)
         else:
-            torch.where(p.rows, self.token_pool[p.pool_index], p.ids, out=p.ids)
+            resolve_pending(p.ids, self.token_pool, p.pool_index)
 
     @torch.inference_mode()
     def execute(self, inputs: ForwardInputs) -> torch.Tensor:
