@@ -113,6 +113,12 @@ def _rms_normalize(x, w, eps, N: tl.constexpr, dtype: tl.constexpr):
     return ((x * inv).to(dtype).to(tl.float32) * w).to(dtype)
 
 
+def _row_shape(n: int) -> dict:
+    """`_rms_norm_kernel`'s row width, block and warps for rows of n values (one program a row)."""
+    block = triton.next_power_of_2(n)
+    return {"N": n, "BLOCK": block, "num_warps": min(16, max(1, block // 256))}
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl: bool = True
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -133,13 +139,12 @@ def rms_norm(
     out = torch.empty(tokens, n, dtype=dtype, device=x.device)
     total = torch.empty_like(out) if residual is not None else out
     if tokens:
-        block = triton.next_power_of_2(n)
         r = residual if residual is not None else out
         _rms_norm_kernel[(tokens,)](
             x, r, weight, out, total, out, out, out, x.stride(-2), r.stride(0), out.stride(0), total.stride(0),
             tokens * n if splits else 0, eps,
-            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, SPLITS=splits, GATHER=False,
-            num_warps=min(16, max(1, block // 256)), **launch_options(x.device, pdl),
+            HAS_RESIDUAL=residual is not None, SPLITS=splits, GATHER=False, **_row_shape(n),
+            **launch_options(x.device, pdl),
         )  # fmt: skip
     return out if residual is None else (out, total)
 
@@ -162,10 +167,8 @@ def embed_rms_norm(
     out = torch.empty(tokens, n, dtype=table.dtype, device=table.device)
     rows = torch.empty_like(out)
     if tokens:
-        block = triton.next_power_of_2(n)
         _rms_norm_kernel[(tokens,)](
             table, out, weight, out, rows, ids, pool, pool_index, table.stride(0), 0, out.stride(0), rows.stride(0),
-            0, eps, N=n, BLOCK=block, HAS_RESIDUAL=False, SPLITS=0, GATHER=True,
-            num_warps=min(16, max(1, block // 256)), USE_PDL=False,
+            0, eps, HAS_RESIDUAL=False, SPLITS=0, GATHER=True, **_row_shape(n), USE_PDL=False,
         )  # fmt: skip
     return out, rows

@@ -243,8 +243,9 @@ class DecoderLM(nn.Module):
         before the attention, in the rotary kernel on CUDA (one launch less per layer)."""
         attn_out = residual = None
         for i in range(len(self.layers)):
-            pool = batch.token_pool if i == 0 else None
-            q, k, v, residual = self.piece(i, positions, input_ids, attn_out, residual, batch.kv_sink(i), pool)
+            q, k, v, residual = self.piece(
+                i, positions, input_ids, attn_out, residual, batch.kv_sink(i), batch.token_pool
+            )
             attn_out = batch.attend(i, q, k, v, self.attention_scale(i), kv_stored=True)
         return self.piece(len(self.layers), positions, input_ids, attn_out, residual)
 
