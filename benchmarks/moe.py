@@ -7,9 +7,11 @@ reference and against a dense MLP of the same active FLOPs.
 Shapes: qwen3-30b-a3b (H 2048, I 768, E 128, k 8), mixtral-8x7b (H 4096, I 14336, E 8, k 2)
 and one TP=2 rank of it (I 7168), bf16, random weights and router logits. For each token count
 T it prints, per layer:
-- fused: route + fused_moe_partials (the layer as the engine runs it: the next RMSNorm adds
-  the slots' planes), captured in one CUDA graph over --layers layers, each with its own
-  weights (so batch-1 decode streams its experts from memory, not from L2), median of 20 replays;
+- fused: route + fused_moe_partials + the next RMSNorm, which adds the fp32 planes the experts
+  leave (the layer as the engine runs it; the norm's read of the planes is counted, so a depth
+  split pays for its extra planes), captured in one CUDA graph over --layers layers, each with
+  its own weights (so batch-1 decode streams its experts from memory, not from L2), median of
+  20 replays;
 - ref: `fused_moe_reference` (eager: it reads the routing on the host, so no graph);
 - dense: gate_up GEMM [T, H] x [H, 2*k*I], SiLU-and-mul, down GEMM (cuBLAS, in a graph): the
   same FLOPs as the k experts, on one dense weight;
@@ -47,6 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nanoserve.kernels import moe
 from nanoserve.kernels.activation import silu_and_mul
+from nanoserve.kernels.norm import rms_norm
 from nanoserve.models.moe import MOE_PDL_MAX_INTER
 
 MODELS = {
@@ -105,12 +108,15 @@ class Layers:
         self.w13 = [(torch.randn(E, 2 * inter, H, generator=gen, device="cuda") / H**0.5).to(DT) for _ in range(n)]
         self.w2 = [(torch.randn(E, H, inter, generator=gen, device="cuda") / inter**0.5).to(DT) for _ in range(n)]
         self.logits = [torch.randn(T, E, generator=gen, device="cuda") for _ in range(n)]
+        self.residual = torch.randn(T, H, generator=gen, device="cuda").to(DT)
+        self.norm_weight = torch.ones(H, device="cuda", dtype=DT)
 
     def fused(self, configs=None, path=None):
         pdl = self.w2[0].shape[2] <= MOE_PDL_MAX_INTER  # as the engine's MoE block launches them
         for w13, w2, logits in zip(self.w13, self.w2, self.logits):
             w, ids = moe.route(logits, self.k, True, pdl=pdl)
-            moe.fused_moe_partials(self.hidden, w13, w2, w, ids, configs=configs, path=path, pdl=pdl)
+            planes = moe.fused_moe_partials(self.hidden, w13, w2, w, ids, configs=configs, path=path, pdl=pdl)
+            rms_norm(planes, self.norm_weight, 1e-6, self.residual)  # the next layer's input norm
 
     def reference(self):
         w, ids = moe.route_reference(self.logits[0], self.k, True)

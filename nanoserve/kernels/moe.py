@@ -188,11 +188,15 @@ TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
     # 4096 tokens did not beat the kept entries beyond the runs' +-4% noise): route +
     # fused_moe_partials per layer; "was" is the previous entry or the fallback. qwen3-30b-a3b:
     # Decode-path entries (block_m 1) re-measured on 2026-11-27 with pipelined loops (num_stages
-    # is the K loop's depth there; "was" is the 2026-11-26 entry run with pipelined loops):
-    (2048, 768, 128, 1): (MoEConfig(1, 8, 256, 8, 2), MoEConfig(1, 16, 256, 4, 2, 2)),  # 26.9 us (was 27.8)
-    (2048, 768, 128, 2): (MoEConfig(1, 8, 512, 2, 1), MoEConfig(1, 16, 256, 2, 2, 2)),  # 44.7 us (was 52.1)
-    (2048, 768, 128, 4): (MoEConfig(1, 16, 128, 2, 4), MoEConfig(1, 16, 256, 2, 2, 2)),  # 78.6 us (was 89.3)
-    (2048, 768, 128, 8): (MoEConfig(1, 8, 256, 4, 2), MoEConfig(1, 32, 256, 4, 2, 2)),  # 129.5 us (was 147.9)
+    # is the K loop's depth there; "was" is the 2026-11-26 entry run with pipelined loops). Their
+    # down product is unsplit: the tuning had chosen 2 depth splits without counting the next
+    # RMSNorm's read of twice the planes (16 x H fp32 a row); unsplit, batch 1 decode steps
+    # 2.476-2.479 -> 2.432 ms, batches 2 / 4 / 8 0.3-0.9% faster (H200, 2026-11-27,
+    # benchmarks/probes/batch_decode.py). Times below: the tuning's, with the splits.
+    (2048, 768, 128, 1): (MoEConfig(1, 8, 256, 8, 2), MoEConfig(1, 16, 256, 4, 2)),  # 26.9 us (was 27.8)
+    (2048, 768, 128, 2): (MoEConfig(1, 8, 512, 2, 1), MoEConfig(1, 16, 256, 2, 2)),  # 44.7 us (was 52.1)
+    (2048, 768, 128, 4): (MoEConfig(1, 16, 128, 2, 4), MoEConfig(1, 16, 256, 2, 2)),  # 78.6 us (was 89.3)
+    (2048, 768, 128, 8): (MoEConfig(1, 8, 256, 4, 2), MoEConfig(1, 32, 256, 4, 2)),  # 129.5 us (was 147.9)
     (2048, 768, 128, 16): (MoEConfig(16, 128, 128, 4, 3), MoEConfig(16, 64, 128, 4, 4)),  # 246.2 us (was 253.4)
     (2048, 768, 128, 32): (MoEConfig(16, 64, 128, 4, 4), MoEConfig(16, 64, 128, 4, 3)),  # 327.3 us (was 332.6)
     (2048, 768, 128, 64): (MoEConfig(16, 128, 128, 4, 3), MoEConfig(16, 64, 128, 4, 4)),  # 367.6 us (was 370.8)
