@@ -211,10 +211,13 @@ TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
         MoEConfig(128, 128, 64, 8, 4, group_m=4),
         MoEConfig(128, 128, 64, 8, 3, group_m=4),
     ),  # 1565.2 us (was 1726.9)
-    # mixtral-8x7b (from 8 tokens on the grouped path wins: the decode one reads an expert per pair):
+    # mixtral-8x7b (from 8 tokens on the grouped path wins: the decode one reads an expert per pair).
+    # At 2 and 4 tokens the down product is unsplit, as qwen3-30b-a3b's above (the tuning chose 4
+    # depth splits): decode steps 10.97 -> 10.87 ms at batch 2, 16.90 -> 16.58 at batch 4 (H200,
+    # 2026-11-27, benchmarks/probes/batch_decode.py). Times below: the tuning's, with the splits.
     (4096, 14336, 8, 1): (MoEConfig(1, 8, 256, 2, 2), MoEConfig(1, 16, 256, 4, 3)),  # 170.9 us (was 176.4)
-    (4096, 14336, 8, 2): (MoEConfig(1, 8, 512, 8, 3), MoEConfig(1, 8, 256, 4, 2, 4)),  # 326.2 us (was 367.1)
-    (4096, 14336, 8, 4): (MoEConfig(1, 8, 256, 2, 2), MoEConfig(1, 16, 256, 2, 2, 4)),  # 456.7 us (was 475.4)
+    (4096, 14336, 8, 2): (MoEConfig(1, 8, 512, 8, 3), MoEConfig(1, 8, 256, 4, 2)),  # 326.2 us (was 367.1)
+    (4096, 14336, 8, 4): (MoEConfig(1, 8, 256, 2, 2), MoEConfig(1, 16, 256, 2, 2)),  # 456.7 us (was 475.4)
     (4096, 14336, 8, 8): (MoEConfig(16, 128, 128, 4, 3), MoEConfig(16, 64, 64, 4, 3)),  # 614.1 us (was 898.5)
     (4096, 14336, 8, 16): (MoEConfig(16, 128, 128, 8, 3), MoEConfig(16, 128, 128, 4, 4)),  # 686.5 us (was 1568.4)
     (4096, 14336, 8, 32): (MoEConfig(16, 128, 128, 8, 3), MoEConfig(16, 128, 128, 8, 4)),  # 693.9 us (was 2917.6)
