@@ -9,9 +9,9 @@ plus one tile per row.
 
 How, in one launch (`_sample_kernel`, a 2-D grid of rows x vocabulary chunks):
 1. each program walks its chunk in tiles of BLOCK words and writes, per tile, the largest
-   logit m, the first word holding it and (rows with T > 0) the tile's softmax mass s = sum of 2^((logit - m) * log2(e)
-   / T). The chunk count grows as the batch shrinks, so a batch of one row still spreads over
-   many SMs.
+   logit m, the first word holding it and (rows with T > 0) the tile's softmax mass s = sum
+   of 2^((logit - m) * log2(e) / T). The chunk count grows as the batch shrinks, so a batch
+   of one row still spreads over many SMs.
 2. the row's last program to finish (an atomic ticket per row) draws the row's token: with M
    the row's largest logit, tile j weighs W_j = s_j * 2^((m_j - M) * log2(e) / T). A uniform u
    in (0, 1) picks the first tile whose running sum of W passes u * sum(W), then, in that
@@ -309,8 +309,9 @@ def fused_sample(
     words = triton.cdiv(vocab, 32)
     pool_arg, index_arg = pool if pool is not None else (out, out)  # never read without HAS_POOL
     _sample_kernel[(rows, num_chunks)](
-        logits, temperature, tile_max, tile_arg, tile_mass, mask_arg, _tickets(logits.device, rows), out, pool_arg, index_arg,
-        vocab, logits.stride(0), words, per_chunk, num_tiles, num_chunks, *_noise_key(seed, step), BLOCK=BLOCK,
-        TILES=triton.next_power_of_2(num_tiles), HAS_MASK=has_mask, HAS_POOL=pool is not None, num_warps=NUM_WARPS,
+        logits, temperature, tile_max, tile_arg, tile_mass, mask_arg, _tickets(logits.device, rows), out,
+        pool_arg, index_arg, vocab, logits.stride(0), words, per_chunk, num_tiles, num_chunks, *_noise_key(seed, step),
+        BLOCK=BLOCK, TILES=triton.next_power_of_2(num_tiles), HAS_MASK=has_mask, HAS_POOL=pool is not None,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
