@@ -27,10 +27,14 @@ fastest is printed: the floor is the best this reader does. `--per-size` then le
 size pick its own reader (`per_size_readers`).
 
     python benchmarks/probes/chain_floor.py [--models qwen3-30b-a3b qwen3-0.6b llama-3.1-8b]
-        [--context 192] [--real]
+        [--context 192] [--per-size] [--persistent] [--real]
 
-`--real` also loads the model (dummy weights) and replays its batch-1 decode graph in the same
-process (`latency.batch1_graph_ms`).
+`--persistent` also times the step's operations in one launch, a grid barrier between them
+(`_persistent_read_kernel`), first with nothing read: what a persistent kernel's
+synchronisation costs against kernel boundaries. Its reads keep one tile in flight per program
+and fall far short of the bandwidth (2026-11-28 in benchmarks/RESULTS.md): read the
+barriers-only line, not the others, as a floor. `--real` also loads the model (dummy weights)
+and replays its batch-1 decode graph in the same process (`latency.batch1_graph_ms`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import math
 import statistics
@@ -83,6 +88,40 @@ def _read_kernel(
     for _ in tl.range(first, last, num_stages=STAGES):
         acc += tl.load(ptrs).to(tl.float32)
         ptrs += BLOCK
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _persistent_read_kernel(
+    src_ptr, starts_ptr, tiles_ptr, counter_ptr, out_ptr, num_ops,
+    BLOCK: tl.constexpr, AHEAD: tl.constexpr,
+):  # fmt: skip
+    # The whole chain in one launch: every program takes an equal run of each operation's tiles,
+    # then waits at a grid barrier (a counter every program bumps once per operation) before the
+    # next. All programs must be resident at once: the caller launches at most one a
+    # multiprocessor. AHEAD: before waiting, ask L2 for the program's first tile of the next
+    # operation (weights do not depend on the barrier).
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for op in range(num_ops):
+        num_tiles = tl.load(tiles_ptr + op)
+        per_program = tl.cdiv(num_tiles, programs)
+        first = pid * per_program
+        ptrs = src_ptr + tl.load(starts_ptr + op) + first.to(tl.int64) * BLOCK + offs
+        for _ in range(first, tl.minimum(first + per_program, num_tiles)):
+            acc += tl.load(ptrs).to(tl.float32)
+            ptrs += BLOCK
+        if AHEAD:  # noqa: SIM102 - AHEAD is a constexpr, the inner test a runtime one
+            if op + 1 < num_ops:
+                ahead = pid * tl.cdiv(tl.load(tiles_ptr + op + 1), programs)
+                if ahead < tl.load(tiles_ptr + op + 1):
+                    lines = tl.arange(0, BLOCK // 64) * 64
+                    _prefetch_l2(src_ptr + tl.load(starts_ptr + op + 1) + ahead.to(tl.int64) * BLOCK + lines)
+        tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+        while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < (op + 1) * programs:
+            pass
     tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
 
@@ -178,14 +217,20 @@ def time_chain(sizes: list[int], readers: list[Reader], prefetch: bool, device: 
                 src[start:], out, n, t, BLOCK=r.block, STAGES=r.stages, PREFETCH=prefetch, num_warps=4, **opts
             )
 
-    launch_all()  # compile
+    return _replay_ms(launch_all, device)
+
+
+def _replay_ms(launch, device: torch.device) -> float:
+    """`launch` run once (compiles), captured in a CUDA graph; the median of 5 rounds of 20
+    replays, ms per replay."""
+    launch()
     stream = torch.cuda.Stream(device)
     with torch.cuda.stream(stream):
-        launch_all()
+        launch()
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            launch_all()
+            launch()
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rounds = []
@@ -197,6 +242,33 @@ def time_chain(sizes: list[int], readers: list[Reader], prefetch: bool, device: 
         torch.cuda.synchronize(device)
         rounds.append(start.elapsed_time(end) / 20)
     return statistics.median(rounds)
+
+
+def time_persistent(sizes: list[int], block: int, per_sm: int, warps: int, ahead: bool, device: torch.device) -> float:
+    """ms per replay of a graph running the whole chain in one `_persistent_read_kernel`
+    launch (`per_sm` programs of `warps` warps per multiprocessor, all resident; a grid barrier
+    between operations), the barrier's counter zeroed first."""
+    programs = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    tiles = [max(1, math.ceil(s / 2 / block)) for s in sizes]
+    starts = [sum(tiles[:i]) * block for i in range(len(tiles))]
+    src = torch.empty(sum(tiles) * block, dtype=torch.bfloat16, device=device).normal_()
+    starts_t = torch.tensor(starts, dtype=torch.int64, device=device)
+    tiles_t = torch.tensor(tiles, dtype=torch.int32, device=device)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    out = torch.empty(programs, dtype=torch.float32, device=device)
+
+    args = (src, starts_t, tiles_t, counter, out, len(sizes))
+    compiled = _persistent_read_kernel.warmup(*args, BLOCK=block, AHEAD=ahead, num_warps=warps, grid=(1,))
+    compiled._init_handles()  # fills n_regs
+    registers = getattr(torch.cuda.get_device_properties(device), "regs_per_multiprocessor", 65536)
+    if per_sm * compiled.n_regs * 32 * warps > registers:  # not all resident: the barrier would never open
+        return math.inf
+
+    def launch() -> None:
+        counter.zero_()
+        _persistent_read_kernel[(programs,)](*args, BLOCK=block, AHEAD=ahead, num_warps=warps)
+
+    return _replay_ms(launch, device)
 
 
 def per_size_readers(
@@ -245,6 +317,8 @@ def main() -> None:
     )
     ap.add_argument("--prefetch", action="store_true", help="prefetch each program's first tile before the PDL wait")
     ap.add_argument("--per-size", action="store_true", help="then refine: a reader per kernel size (per_size_readers)")
+    ap.add_argument("--persistent", action="store_true", help="also the step as one launch with grid barriers")
+    ap.add_argument("--persistent-per-sm", type=int, nargs="+", default=[1, 2], help="its programs per SM")
     ap.add_argument("--real", action="store_true", help="also replay the model's own batch-1 graph")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -264,6 +338,17 @@ def main() -> None:
                 ms, chosen = per_size_readers(sizes, readers, best, ms, args.prefetch, device)
                 picks = ", ".join(f"{size / 1e6:g} MB: {r}" for size, r in sorted(chosen.items()))
                 line.append(f"{v}, a reader per size {ms:.3f} ms = {total / ms / 1e9:.2f} TB/s [{picks}]")
+        if args.persistent:
+            ms = time_persistent([0] * len(chain), 1024, 1, 4, False, device)
+            print(f"{name}: one persistent launch, {len(chain)} barriers and nothing read {ms:.3f} ms", flush=True)
+            step = variant(chain, "step")
+            for ahead, b, p, w in itertools.product((False, True), args.blocks, args.persistent_per_sm, (4, 8)):
+                ms = time_persistent(step, b, p, w, ahead, device)
+                print(
+                    f"{name}: one persistent launch, {len(chain)} operations"
+                    f"{', next tile to L2 early' if ahead else ''} [block {b}, {p}/SM, {w} warps]: {ms:.3f} ms",
+                    flush=True,
+                )
         if args.real:
             line.append(f"real graph {real_graph_ms(name):.3f} ms")
         print(" | ".join(line), flush=True)
