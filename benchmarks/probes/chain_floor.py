@@ -98,8 +98,8 @@ def _persistent_read_kernel(
 ):  # fmt: skip
     # The whole chain in one launch: every program takes an equal run of each operation's tiles,
     # then waits at a grid barrier (a counter every program bumps once per operation) before the
-    # next. All programs must be resident at once: the caller launches at most one a
-    # multiprocessor. AHEAD: before waiting, ask L2 for the program's first tile of the next
+    # next. All programs must be resident at once: `time_persistent` launches 1-2 a
+    # multiprocessor and skips configurations whose registers would not fit them. AHEAD: before waiting, ask L2 for the program's first tile of the next
     # operation (weights do not depend on the barrier).
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -311,7 +311,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--blocks", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     ap.add_argument("--stages", type=int, nargs="+", default=[1])
-    ap.add_argument("--per-sm", type=int, nargs="+", default=[4, 8, 16], help="persistent grids")
+    ap.add_argument("--per-sm", type=int, nargs="+", default=[4, 8, 16], help="grids of this many programs per SM")
     ap.add_argument(
         "--tiles", type=int, nargs="+", default=[1, 2, 4, 16], help="grids of one program per this many tiles"
     )
