@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
 
 import chain_floor
 
+from nanoserve.kernels.attention import MIN_SPLIT_TOKENS
 from nanoserve.models.registry import BUNDLED_DIR
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -48,7 +49,7 @@ def test_qwen3_moe_chain_reads_the_active_weights_in_eleven_kernels_a_layer():
 def test_dense_chains_follow_the_real_step():
     llama = chain_floor.chain_for(config("llama-3.1-8b"), context=192)
     assert "rotary" not in {k.name for k in llama}  # rotated in the qkv GEMV's epilogue
-    short = chain_floor.chain_for(config("qwen3-0.6b"), context=chain_floor.MIN_SPLIT_TOKENS)
+    short = chain_floor.chain_for(config("qwen3-0.6b"), context=MIN_SPLIT_TOKENS)
     assert "reduce" not in {k.name for k in short}  # one split writes its output directly
     assert {k.name for k in short} >= {"rotary", "gate_up", "down", "lm_head", "sampler"}
 

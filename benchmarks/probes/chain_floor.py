@@ -51,13 +51,13 @@ import gc
 import itertools
 import json
 import math
-import statistics
 
 import torch
 import triton
 import triton.language as tl
+from attention import graph_ms
 
-from nanoserve.kernels.attention import MIN_SPLIT_TOKENS
+from nanoserve.kernels.attention import choose_num_splits
 from nanoserve.kernels.launch import launch_options, pdl_start
 from nanoserve.kernels.linear import _prefetch_l2
 from nanoserve.models.registry import BUNDLED_DIR
@@ -141,13 +141,13 @@ class Reader:
         return f"block {self.block}, {self.stages} stages, {grid}"
 
 
-def chain_for(cfg: dict, context: int) -> list[ChainKernel]:
+def chain_for(cfg: dict, context: int, num_sms: int = 132) -> list[ChainKernel]:
     """The batch-1 decode step's kernels in order, from a bundled config (bf16): per layer the
     input norm, qkv, q/k norm + rotary + K/V store (Qwen3's q/k norms; otherwise the qkv GEMV
     does it), decode attention and its reduce (when the context is split), o_proj, the
     post-attention norm, then the MLP: gate_up and down, or for a sparse layer the router, the
     top-k route, gate_up and down of the k chosen experts; then the final norm, the LM head and
-    the sampler."""
+    the sampler. `num_sms` (an H100's or H200's 132 by default) feeds the decode split rule."""
     hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -159,7 +159,7 @@ def chain_for(cfg: dict, context: int) -> list[ChainKernel]:
         if qk_norm:
             attention.append(("rotary", 0))
         attention.append(("attention", context * kv_heads * head_dim * 2 * 2))
-        if context > MIN_SPLIT_TOKENS:
+        if choose_num_splits(1, kv_heads, context, num_sms, max_splits=32) > 1:  # the Triton backend's cap
             attention.append(("reduce", 0))
         attention.append(("o_proj", heads * head_dim * hidden * 2))
         sparse = (
@@ -217,31 +217,7 @@ def time_chain(sizes: list[int], readers: list[Reader], prefetch: bool, device: 
                 src[start:], out, n, t, BLOCK=r.block, STAGES=r.stages, PREFETCH=prefetch, num_warps=4, **opts
             )
 
-    return _replay_ms(launch_all, device)
-
-
-def _replay_ms(launch, device: torch.device) -> float:
-    """`launch` run once (compiles), captured in a CUDA graph; the median of 5 rounds of 20
-    replays, ms per replay."""
-    launch()
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):
-        launch()
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            launch()
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    rounds = []
-    for _ in range(5):
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize(device)
-        rounds.append(start.elapsed_time(end) / 20)
-    return statistics.median(rounds)
+    return graph_ms([launch_all])
 
 
 def time_persistent(sizes: list[int], block: int, per_sm: int, warps: int, ahead: bool, device: torch.device) -> float:
@@ -268,7 +244,7 @@ def time_persistent(sizes: list[int], block: int, per_sm: int, warps: int, ahead
         counter.zero_()
         _persistent_read_kernel[(programs,)](*args, BLOCK=block, AHEAD=ahead, num_warps=warps)
 
-    return _replay_ms(launch, device)
+    return graph_ms([launch])
 
 
 def per_size_readers(
@@ -324,7 +300,7 @@ def main() -> None:
     device = torch.device("cuda")
     for name in args.models:
         cfg = json.loads((BUNDLED_DIR / f"{name}.json").read_text())
-        chain = chain_for(cfg, args.context)
+        chain = chain_for(cfg, args.context, torch.cuda.get_device_properties(device).multi_processor_count)
         total = sum(variant(chain, "flat"))
         line = [f"{name}: {total / 1e9:.2f} GB read, {len(chain)} kernels"]
         readers = [Reader(b, st, p, 0) for b in args.blocks for st in args.stages for p in args.per_sm]
