@@ -112,24 +112,31 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def check(case: Case, tol: float, backend=None) -> None:
+def check(case: Case, tol: float, backend=None, window: int = 0, sinks: torch.Tensor | None = None) -> None:
+    """The Triton backend against the torch backend and `attention_reference`; `window` and
+    `sinks`: the layer's kind (a sliding window, attention sinks). With a window, the Triton
+    side's cached positions that no window reaches hold NaN (reading one fails the check)."""
     from nanoserve.attention.triton_backend import TritonAttentionBackend
 
     backend = backend or TritonAttentionBackend()
     ref_backend = TorchAttentionBackend()
     kc_ref, vc_ref = case.k_cache.clone(), case.v_cache.clone()
+    kind = {"window": window, "sinks": sinks}
     ref_backend.prepare(case.meta)
-    ref = ref_backend.forward(case.q, case.k, case.v, kc_ref, vc_ref, case.meta, case.scale)
+    ref = ref_backend.forward(case.q, case.k, case.v, kc_ref, vc_ref, case.meta, case.scale, **kind)
 
+    if window:
+        poison_outside_windows(case.meta, case.k_cache, case.v_cache, window)
     out = torch.full_like(case.q, float("nan"), memory_format=torch.contiguous_format)
     backend.prepare(case.meta)
-    got = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, out=out)
+    got = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, out=out, **kind)
     assert got.data_ptr() == out.data_ptr()
     assert not torch.isnan(out).any(), "NaN (unwritten element or bad softmax) in output"
     err = rel_err(out, ref)
     assert err < tol, f"relative error {err:.2e}"
     # the store wrote exactly the new tokens' slots, and nothing else
-    assert torch.equal(case.k_cache, kc_ref) and torch.equal(case.v_cache, vc_ref)
+    for cache, ref_cache in ((case.k_cache, kc_ref), (case.v_cache, vc_ref)):
+        assert torch.equal(torch.where(cache.isnan(), ref_cache, cache), ref_cache)  # NaN: the poison
     num_kv_heads, head_dim = case.k_cache.shape[2], case.k_cache.shape[3]
     flat = case.k_cache.view(-1, num_kv_heads, head_dim)
     assert torch.equal(flat[case.meta.slot_mapping], case.k.to(flat.dtype))
@@ -139,10 +146,10 @@ def check(case: Case, tol: float, backend=None) -> None:
     cu, meta = case.meta.cu_query_lens.tolist(), case.meta
     for i, (seq, prefix) in enumerate(zip(meta.seq_lens_host, meta.prefix_lens_host)):
         table = meta.page_table[i : i + 1]
-        keys, values = (gather_kv(c, table, seq)[0].to(case.q.dtype) for c in (case.k_cache, case.v_cache))
+        keys, values = (gather_kv(c, table, seq)[0].to(case.q.dtype) for c in (kc_ref, vc_ref))
         if not meta.is_decode:  # an extend's new tokens attend to each other as computed, not as cached
             keys[prefix:], values[prefix:] = case.k[cu[i] : cu[i + 1]], case.v[cu[i] : cu[i + 1]]
-        want = attention_reference(case.q[cu[i] : cu[i + 1]], keys, values, case.scale, causal_offset=prefix)
+        want = attention_reference(case.q[cu[i] : cu[i + 1]], keys, values, case.scale, prefix, **kind)
         if cu[i + 1] > cu[i]:
             err = rel_err(out[cu[i] : cu[i + 1]], want)
             assert err < tol, f"request {i}: relative error {err:.2e} to attention_reference"
@@ -220,6 +227,74 @@ def test_interp_store_skips_negative_slots():
     assert flat_k.abs().sum(dim=(1, 2)).nonzero().flatten().tolist() == [5, 11]
 
 
+def poison_outside_windows(meta: AttentionMetadata, k_cache, v_cache, window: int) -> None:
+    """Overwrite every cached K/V position that no new token's window reaches with NaN: a
+    kernel that reads one then fails (even masked, 0 * NaN is NaN in its PV product)."""
+    page_size = k_cache.shape[1]
+    for i, prefix in enumerate(meta.prefix_lens_host):
+        pos = torch.arange(max(0, prefix - window + 1))  # before the first new token's window
+        pages = meta.page_table[i].long().cpu()[pos // page_size]
+        for cache in (k_cache, v_cache):
+            cache.view(-1, *cache.shape[2:])[pages * page_size + pos % page_size] = float("nan")
+
+
+@interp
+@pytest.mark.parametrize("window", [1, 5, 24])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_interp_decode_window_and_sinks(window, with_sinks):
+    # GQA 3, several splits over contexts longer and shorter than the window; positions before
+    # every window are NaN, so a kernel that reads them fails.
+    lens = [1, 37, 70, 9]
+    case = make_case([(n - 1, 1) for n in lens], 6, 2, 32, 4, torch.float32, "cpu", seed=11, decode=True)
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(3)) * 2 if with_sinks else None
+    check(case, tol=2e-3, window=window, sinks=sinks)
+
+
+@interp
+def test_interp_decode_sinks_one_split_bf16():
+    from nanoserve.attention.triton_backend import TritonAttentionBackend
+
+    case = make_case([(n - 1, 1) for n in (3, 20)], 4, 2, 16, 4, torch.bfloat16, "cpu", seed=12, decode=True)
+    sinks = torch.tensor([0.5, -1.0, 3.0, 0.0])
+    check(case, tol=1e-2, backend=TritonAttentionBackend(max_splits=1), sinks=sinks)
+
+
+@interp
+@pytest.mark.parametrize("window", [3, 16, 40])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_interp_extend_window_and_sinks(window, with_sinks):
+    # prefixes and new tokens longer than the window, crossing several 16-row tiles; one
+    # request's prefix is wholly before every window, one has none
+    reqs = [(21, 35), (0, 5), (50, 3), (3, 17)]
+    case = make_case(reqs, 4, 2, 32, 4, torch.float32, "cpu", seed=13)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(4)) if with_sinks else None
+    check(case, tol=2e-3, window=window, sinks=sinks)
+
+
+@interp
+def test_interp_mixed_batch_window_and_sinks():
+    # decode rows then prompt rows in one batch: each part gets the layer's kind
+    reqs = [(40, 1), (9, 1), (21, 35), (0, 5)]
+    case = make_case(reqs, 4, 2, 32, 4, torch.float32, "cpu", seed=14)
+    case.meta.num_decode_rows = 2
+    check(case, tol=2e-3, window=12, sinks=torch.tensor([1.0, -2.0, 0.5, 4.0]))
+
+
+def test_reference_window_and_sinks_by_hand():
+    # One query over 3 keys: window 2 drops the first key; the sink adds exp(sink) to the
+    # denominator (the backends are checked against this reference above).
+    from nanoserve.kernels.attention import attention_reference
+
+    q = torch.tensor([[[1.0, 0.0]]])
+    k = torch.tensor([[[5.0, 0.0]], [[1.0, 0.0]], [[2.0, 0.0]]])
+    v = torch.tensor([[[100.0, 0.0]], [[1.0, 0.0]], [[3.0, 1.0]]])
+    sink = torch.tensor([0.5])
+    got = attention_reference(q, k, v, 1.0, causal_offset=2, window=2, sinks=sink)
+    e1, e2, es = torch.exp(torch.tensor([1.0, 2.0, 0.5]))
+    want = torch.stack([(e1 * 1 + e2 * 3) / (e1 + e2 + es), e2 / (e1 + e2 + es)])
+    assert torch.allclose(got[0, 0], want)
+
+
 def engine_tokens(model_dir, backend: str, device: str, **engine_args) -> list[list[int]]:
     from nanoserve import LLM, SamplingParams
     from tests.tiny import random_prompts
@@ -232,12 +307,14 @@ def engine_tokens(model_dir, backend: str, device: str, **engine_args) -> list[l
 
 @interp
 @pytest.mark.slow
-def test_interp_engine_matches_torch_backend(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_interp_engine_matches_torch_backend(tmp_path, arch):
     """The engine end to end (chunked prefill => extends over prefixes, then decodes) gives
-    the same greedy tokens with the Triton backend as with the torch one."""
+    the same greedy tokens with the Triton backend as with the torch one (gemma3: sliding
+    windows shorter than the prompts)."""
     from tests.tiny import make_tiny_model
 
-    path = make_tiny_model(tmp_path / "qwen3", "qwen3")
+    path = make_tiny_model(tmp_path / arch, arch)
     args = {"chunked_prefill_size": 16, "page_size": 4}
     assert engine_tokens(path, "triton", "cpu", **args) == engine_tokens(path, "torch", "cpu", **args)
 
@@ -342,6 +419,34 @@ def test_prefill_fa2_path():
     check(case, tol=1e-2)
 
 
+# Layer kinds at the real models' shapes: gpt-oss (64 q / 8 kv heads, head_dim 64, window 128,
+# sinks), gemma-3-12b (16 / 8, head_dim 256, window 1024), gemma-3-27b (32 / 16, head_dim 128).
+KIND_SHAPES = [
+    # (q_heads, kv_heads, head_dim, window, sinks)
+    (64, 8, 64, 128, True),
+    (64, 8, 64, 0, True),
+    (16, 8, 256, 1024, False),
+    (32, 16, 128, 1024, False),
+]
+
+
+@gpu
+@pytest.mark.parametrize("kind", KIND_SHAPES, ids=lambda s: "h{}/{}-d{}-w{}-sinks{}".format(*s))
+@pytest.mark.parametrize("decode", [True, False])
+def test_window_and_sinks(kind, decode):
+    from nanoserve.attention.triton_backend import TritonAttentionBackend
+
+    hq, hkv, d, window, with_sinks = kind
+    rng = random.Random(hash(kind) & 0xFFFF)
+    if decode:
+        reqs = [(n - 1, 1) for n in ragged(rng, 16, 1, 5000)]
+    else:
+        reqs = list(zip(ragged(rng, 6, 0, 3000), ragged(rng, 6, 1, 1500)))
+    case = make_case(reqs, hq, hkv, d, 16, torch.bfloat16, "cuda", seed=rng.randrange(1 << 30), decode=decode)
+    sinks = torch.randn(hq, device="cuda").to(torch.bfloat16) if with_sinks else None
+    check(case, tol=1e-2, backend=TritonAttentionBackend(use_fa2=False), window=window, sinks=sinks)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -354,10 +459,11 @@ def test_extend_fp16_fp32(dtype, head_dim):
 
 @gpu
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_engine_matches_torch_backend_on_gpu(tmp_path, page_size):
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt-oss"])
+def test_engine_matches_torch_backend_on_gpu(tmp_path, page_size, arch):
     from tests.tiny import make_tiny_model
 
-    path = make_tiny_model(tmp_path / "llama", "llama")
+    path = make_tiny_model(tmp_path / arch, arch)
     args = {
         "chunked_prefill_size": 16,
         "page_size": page_size,

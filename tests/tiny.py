@@ -30,7 +30,50 @@ TINY_CONFIGS = {
     "mistral": {"model_type": "mistral", "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": None},
     "qwen2": {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True},
     "qwen3": {"model_type": "qwen3", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
+    # Sliding-window layers (a window far shorter than the prompts) between full ones, a rope
+    # base per layer kind (linear scaling on the full layers, as gemma-3-12b/27b), a softmax
+    # scale that is not head_dim's, softcapped logits, tied embeddings.
+    "gemma3": {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+        "query_pre_attn_scalar": 24,
+        "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True,
+    },
+    # Sliding layers alternating with full ones, attention sinks, biases everywhere, a MoE of
+    # biased experts whose clamped SwiGLU clamps often (a low limit), YaRN rope.
+    "gpt-oss": {
+        "model_type": "gpt_oss",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 8,
+        "swiglu_limit": 1.0,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 32,
+        },
+    },
 }
+# Architectures whose layers attend to a window only: their prompts outgrow it.
+WINDOWED = ("gemma3", "gpt-oss")
 
 
 def tiny_config(arch: str) -> dict:
@@ -51,15 +94,45 @@ def tiny_config(arch: str) -> dict:
     return base
 
 
-def make_tiny_model(directory: Path, arch: str, seed: int = 0, max_shard_size: str | None = None) -> Path:
+def make_tiny_model(directory: Path, arch: str, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
+    """`overrides`: config fields that replace the tiny architecture's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = tiny_config(arch)
+    spec = tiny_config(arch) | overrides
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(directory), **kwargs)
+    return directory
+
+
+def make_tiny_gemma3_multimodal(directory: Path, seed: int = 0) -> Path:
+    """A `gemma3` (Gemma3ForConditionalGeneration) checkpoint: the tiny gemma3 text decoder
+    beside a one-layer vision tower, which nanoserve does not load."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = tiny_config("gemma3")
+    text.pop("model_type")
+    vision = {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+    }
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=VOCAB - 3,
+        boi_token_index=VOCAB - 2,
+        eoi_token_index=VOCAB - 1,
+    )
+    torch.manual_seed(seed)
+    Gemma3ForConditionalGeneration(config).float().save_pretrained(str(directory))
     return directory
 
 

@@ -25,6 +25,13 @@ Invariants of a batch's metadata (B requests, T new tokens in all):
   table) start at 16-byte boundaries whatever k is;
 - `cascade` (decode only, optional) groups requests that share a prefix of pages; it
   changes how attention is computed, never its result (see nanoserve.attention.cascade).
+
+Per layer (not per batch), `forward` takes the layer's kind: `window` > 0 for a
+sliding-window layer (the token at position p attends to positions p - window + 1 .. p only,
+as Hugging Face's sliding layers do; a backend need not read anything before that), and
+`sinks` [Hq] for learned attention sinks (gpt-oss: one logit per head that joins the softmax's
+denominator and contributes no value). Neither changes the KV layout: the cache still holds
+every position (what a windowed layer no longer reads is merely never read).
 """
 
 from __future__ import annotations
@@ -131,8 +138,11 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         kv_stored: bool = False,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of q over the cache after storing k/v (unless `kv_stored`: already done)."""
+        """Attention of q over the cache after storing k/v (unless `kv_stored`: already done);
+        `window` and `sinks`: the layer's kind (module docstring)."""
 
 
 @dataclass
@@ -167,8 +177,19 @@ class ForwardBatch:
         return KVSink(self.k_caches[layer_id], self.v_caches[layer_id], self.meta.slot_mapping, self.backend)
 
     def attend(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kv_stored: bool = False
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        kv_stored: bool = False,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Layer `layer_id`'s attention; `kv_stored`: k/v went through `kv_sink(layer_id)`."""
+        """Layer `layer_id`'s attention; `kv_stored`: k/v went through `kv_sink(layer_id)`;
+        `window`, `sinks`: the layer's kind (see `AttentionBackend.forward`)."""
         k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
-        return self.backend.forward(q, k, v, k_cache, v_cache, self.meta, scale, kv_stored=kv_stored)
+        return self.backend.forward(
+            q, k, v, k_cache, v_cache, self.meta, scale, kv_stored=kv_stored, window=window, sinks=sinks
+        )

@@ -4,7 +4,9 @@ tested against, and the backend used on CPU.
 Each batch is handled the same way whether it is a prefill, an extend with a cached
 prefix or a decode: gather every request's K/V from its pages into a padded
 [B, max_seq_len] block, pad the queries to [B, max_query_len], and run SDPA with a mask
-that is causal with respect to each request's prefix and hides the padding.
+that is causal with respect to each request's prefix and hides the padding (and, for a
+sliding-window layer, the positions before each token's window). With attention sinks the
+softmax is written out (SDPA has no sink), its denominator holding each head's sink logit.
 Uses host-side lengths, so it is for eager execution only. A cache narrower than q (fp8)
 is read upcast; a prefill's new tokens then use their own unrounded K/V (see config.py).
 """
@@ -37,13 +39,25 @@ class TorchAttentionBackend(AttentionBackend):
         causal = key_pos[None, None, :] <= query_pos[:, :, None]
         in_seq = key_pos[None, None, :] < meta.seq_lens.long()[:, None, None]
         self._mask = (causal & in_seq)[:, None]  # [B, 1, max_q, max_s]
+        self._positions = (query_pos, key_pos)
+        self._window_masks: dict[int, torch.Tensor] = {}  # window -> mask, made by the first layer of each
         self._shape = (num_reqs, max_q)
         self._new_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # see forward
 
     def store_kv(self, k_cache, v_cache, k, v, slot_mapping):
         store_kv_reference(k_cache, v_cache, k, v, slot_mapping)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, kv_stored=False):
+    def _layer_mask(self, window: int) -> torch.Tensor:
+        if window <= 0:
+            return self._mask
+        mask = self._window_masks.get(window)
+        if mask is None:
+            query_pos, key_pos = self._positions
+            in_window = key_pos[None, None, :] > query_pos[:, :, None] - window
+            mask = self._window_masks[window] = self._mask & in_window[:, None]
+        return mask
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, kv_stored=False, window=0, sinks=None):
         if not kv_stored:
             store_kv_reference(k_cache, v_cache, k, v, meta.slot_mapping)
         num_reqs, max_q = self._shape
@@ -66,6 +80,22 @@ class TorchAttentionBackend(AttentionBackend):
         values = values.transpose(1, 2).repeat_interleave(group, dim=1)
         padded_q = q.new_zeros(num_reqs, max_q, num_q_heads, head_dim)
         padded_q[self._valid_q] = q
-        out = self.attend(padded_q.transpose(1, 2), keys, values, attn_mask=self._mask, scale=scale)
+        mask = self._layer_mask(window)
+        if sinks is None:
+            out = self.attend(padded_q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale)
+        else:
+            out = _attend_with_sinks(padded_q.transpose(1, 2), keys, values, mask, scale, sinks)
         out = out.transpose(1, 2)[self._valid_q]  # [T, Hq, D], rows in request order
         return out
+
+
+def _attend_with_sinks(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Softmax attention [B, H, Q, D] whose denominator also holds sinks[h] (a logit with no
+    value), computed in q's dtype as Hugging Face's eager gpt-oss attention does."""
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+    probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs, values)

@@ -128,9 +128,23 @@ class TritonAttentionBackend(AttentionBackend):
     def store_kv(self, k_cache, v_cache, k, v, slot_mapping):
         tk.store_kv(k_cache, v_cache, k, v, slot_mapping, pdl=self.switches.pdl)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, kv_stored=False, out: torch.Tensor | None = None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta,
+        scale,
+        kv_stored=False,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ):
         """As the base class; `out` ([T, Hq, D], q's dtype, dense last dim) is an optional
         preallocated result buffer (tests poison it to catch unwritten elements)."""
+        kind = (window, sinks)
         if not kv_stored:
             tk.store_kv(k_cache, v_cache, k, v, meta.slot_mapping, pdl=self.switches.pdl)
         if self._mixed is not None and self._mixed[0] is meta:
@@ -139,14 +153,19 @@ class TritonAttentionBackend(AttentionBackend):
             if out is None:
                 out = torch.empty_like(q, memory_format=torch.contiguous_format)
             # The decode kernel reads its K/V from the cache only: no k/v rows for it.
-            self._attend(q[:n], None, None, k_cache, v_cache, decode, scale, out[:n])
-            self._attend(q[n:], k[n:], v[n:], k_cache, v_cache, extend, scale, out[n:])
+            self._attend(q[:n], None, None, k_cache, v_cache, decode, scale, out[:n], kind)
+            self._attend(q[n:], k[n:], v[n:], k_cache, v_cache, extend, scale, out[n:], kind)
             return out
-        return self._attend(q, k, v, k_cache, v_cache, meta, scale, out)
+        return self._attend(q, k, v, k_cache, v_cache, meta, scale, out, kind)
 
-    def _attend(self, q, k, v, k_cache, v_cache, meta, scale, out: torch.Tensor | None) -> torch.Tensor:
-        """Attention of one decode or extend batch over the cache, K/V already stored."""
-        if not meta.is_decode and self._no_prefix and self.use_fa2 and q.is_cuda and q.dtype in _FA2_DTYPES:
+    def _attend(self, q, k, v, k_cache, v_cache, meta, scale, out: torch.Tensor | None, kind) -> torch.Tensor:
+        """Attention of one decode or extend batch over the cache, K/V already stored; `kind`:
+        the layer's (window, sinks). A sliding-window or sink layer never takes FA2 or cascade
+        (neither knows windows or sinks here): its decode reads the window only anyway."""
+        window, sinks = kind
+        plain = window <= 0 and sinks is None
+        fa2_ok = plain and self.use_fa2 and q.is_cuda and q.dtype in _FA2_DTYPES
+        if not meta.is_decode and self._no_prefix and fa2_ok:
             result = _fa2_varlen(q, k, v, meta, scale)
             return result if out is None else out.copy_(result)
         if out is None:
@@ -154,8 +173,11 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.is_decode:
             batch, num_q_heads, head_dim = q.shape
             num_kv_heads = k_cache.shape[2]
-            splits = self.decode_num_splits(batch, num_kv_heads, meta.max_seq_len, q.device)
-            cols = self.decode_num_cols(splits, meta.cascade is not None)
+            # A windowed layer splits its window, not the whole context (host ints only).
+            span = meta.max_seq_len if window <= 0 else min(window, meta.max_seq_len)
+            splits = self.decode_num_splits(batch, num_kv_heads, span, q.device)
+            cascade = meta.cascade if window <= 0 else None
+            cols = self.decode_num_cols(splits, cascade is not None)
             ws = None
             if cols > 1:
                 ws = self._get_workspace(tk.workspace_numel(batch, num_q_heads, head_dim, cols), q.device)
@@ -169,9 +191,11 @@ class TritonAttentionBackend(AttentionBackend):
                 splits,
                 ws,
                 out,
-                meta.cascade,
+                cascade,
                 heads_first=self.switches.decode_heads_first,
                 pdl=self.switches.pdl,
+                window=window,
+                sinks=sinks,
             )
         return tk.paged_extend(
             q,
@@ -185,6 +209,8 @@ class TritonAttentionBackend(AttentionBackend):
             meta.max_query_len,
             scale,
             out,
+            window=window,
+            sinks=sinks,
         )
 
 

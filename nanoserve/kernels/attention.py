@@ -6,6 +6,11 @@ Owns three kernels and the host functions that launch them:
   partial results in a caller-provided fp32 workspace, merged by a second reduce kernel;
 - `paged_extend`: the new tokens of several requests (varlen, causal among themselves) over
   their cached prefix (read through the page table) and themselves (read from k/v directly).
+Both attention kernels take a layer's kind: a sliding `window` (decode reads positions
+max(0, seq_len - window) .. seq_len only; extend masks each row to its own window and skips
+tiles before the block's first window) and `sinks` (a logit per query head added to the
+softmax's denominator: at the end of a direct decode or extend row, in the reduce for split
+decode). Without either, the kernels compile exactly as before (constexpr flags).
 
 Conventions shared by all kernels (see base.py for the metadata invariants):
 - caches are [num_pages, page_size, num_kv_heads, head_dim] with the last three dims dense,
@@ -114,22 +119,38 @@ def gather_kv(cache: torch.Tensor, page_table: torch.Tensor, max_seq_len: int) -
 
 
 def attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal_offset: int | None,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [Tq, Hq, D] over k/v [Tk, Hk, D] (grouped-query heads) with an fp32
     softmax, rounded once to q's dtype. `causal_offset`: query i sees keys up to
-    causal_offset + i (the queries are the last Tq of the keys); None: all keys."""
+    causal_offset + i (the queries are the last Tq of the keys); None: all keys. `window` > 0
+    (with a causal offset): query i sees only its last `window` keys, itself included.
+    `sinks` [Hq]: a learned logit per head that joins the softmax's denominator and adds no
+    value (gpt-oss's attention sinks)."""
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
     logits = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
     if causal_offset is not None:
         tq, tk = q.shape[0], k.shape[0]
-        allowed = (
-            torch.arange(tk, device=q.device)[None, :] <= causal_offset + torch.arange(tq, device=q.device)[:, None]
-        )
+        key = torch.arange(tk, device=q.device)[None, :]
+        last = causal_offset + torch.arange(tq, device=q.device)[:, None]
+        allowed = key <= last
+        if window > 0:
+            allowed &= key > last - window
         logits = logits.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", logits.softmax(-1), vf).to(q.dtype)
+    if sinks is not None:
+        sink = sinks.float().view(-1, 1, 1).expand(-1, logits.shape[1], 1)
+        probs = torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = logits.softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
 
 
 def _stages(cfg: dict[str, int], x: torch.Tensor) -> int:
@@ -185,12 +206,17 @@ def _attend_block(
     scale_log2,
     MASKED: tl.constexpr,
     DOT_F32: tl.constexpr,
+    ROWS_MAY_BE_EMPTY: tl.constexpr = False,
 ):
-    """One online-softmax step of a [BLOCK_M, D] query tile over a [BLOCK_N, D] K/V block."""
+    """One online-softmax step of a [BLOCK_M, D] query tile over a [BLOCK_N, D] K/V block.
+    ROWS_MAY_BE_EMPTY: a row may have seen no key yet after this block (a sliding window's
+    rows start at different keys): its max stays -inf and must not turn the step into NaN."""
     qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32) * scale_log2
     if MASKED:
         qk = tl.where(mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if ROWS_MAY_BE_EMPTY:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -220,11 +246,14 @@ def _attend_pages(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
+    row_lo=0,
+    PER_ROW_LO: tl.constexpr = False,
 ):
     """Online softmax of a query tile over cache positions [lo, hi) of one request's pages
     (`table`: its page-table row, `page`: its first block's page ids from `_first_pages`;
     k_base / v_base: the caches offset to one kv head). Every kernel that reads K/V through a
-    page table does it here."""
+    page table does it here. PER_ROW_LO (sliding window): row r also skips positions below
+    row_lo[r]."""
     if k_base.dtype.element_ty.is_fp8() and q.dtype != tl.float32:
         # fp8 cache: the products run in fp16, which fp8 converts to in one instruction per
         # pair (to bf16 it takes several, and the kernel became ALU-bound: measured slower
@@ -242,7 +271,12 @@ def _attend_pages(
         page = tl.load(table + ahead // PAGE_SIZE, mask=ahead < hi, other=0)
         k = _load_tile(k_base + slot[:, None] * stride_kc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
         v = _load_tile(v_base + slot[:, None] * stride_vc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
-        m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, n_mask[None, :], scale_log2, MASKED=True, DOT_F32=DOT_F32)
+        if PER_ROW_LO:
+            mask = n_mask[None, :] & (pos[None, :] >= row_lo[:, None])
+            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, mask, scale_log2, True, DOT_F32, True)
+        else:
+            mask = n_mask[None, :]
+            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, mask, scale_log2, MASKED=True, DOT_F32=DOT_F32)
     return m_i, l_i, acc
 
 
@@ -380,6 +414,29 @@ def store_kv(
 
 
 @triton.jit
+def _kv_start(kv_start_ptr, b, seq_len, window, HAS_START: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The first position a decode request's splits read: its cascade group's prefix end
+    (HAS_START), the start of its sliding window (HAS_WINDOW), or 0."""
+    if HAS_START:
+        start = tl.load(kv_start_ptr + b)
+    elif HAS_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    else:
+        start = 0
+    return start
+
+
+@triton.jit
+def _with_sink(out, m_i, l_i, sinks_ptr, heads, row_mask):
+    """Rows of a normalised output (max m_i and sum l_i of their base-2 exponentials) with
+    each head's sink logit (natural base, unscaled) added to the softmax's denominator."""
+    sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_all = tl.maximum(m_i, sink)
+    seen = l_i * tl.exp2(m_i - m_all)  # 0 for a row that saw no key (m_i = -inf)
+    return out * (seen / (seen + tl.exp2(sink - m_all)))[:, None]
+
+
+@triton.jit
 def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
     """Tokens per split of one request: its length spread over the splits, in whole blocks.
     Both decode kernels compute it the same way, so no split count travels between them."""
@@ -391,7 +448,7 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constex
 # Ints that vary from batch to batch (page-table width, block counts) are not specialized:
 # Triton would otherwise compile a variant per value class (== 1, divisible by 16) while the
 # engine is serving.
-@triton.jit(do_not_specialize=["stride_pt", "num_splits", "num_cols"])
+@triton.jit(do_not_specialize=["stride_pt", "num_splits", "num_cols", "window"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -399,6 +456,7 @@ def _decode_split_kernel(
     page_table_ptr,
     seq_lens_ptr,
     kv_start_ptr,
+    sinks_ptr,
     out_ptr,
     part_ptr,
     lse_ptr,
@@ -411,6 +469,7 @@ def _decode_split_kernel(
     stride_oh,
     num_splits,
     num_cols,
+    window,
     scale_log2,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -422,6 +481,8 @@ def _decode_split_kernel(
     MIN_SPLIT: tl.constexpr,
     DIRECT: tl.constexpr,
     HAS_START: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_F32: tl.constexpr,
     USE_PDL: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
@@ -430,13 +491,15 @@ def _decode_split_kernel(
     # are the rows of one tile, so each K/V block is loaded once for the whole group.
     # With HAS_START (cascade), a request's positions before kv_start[b] are another
     # kernel's (its group's shared prefix): the splits cover kv_start[b]..seq_len only.
+    # With HAS_WINDOW (a sliding-window layer, never with cascade) the splits cover the
+    # last `window` positions only: nothing before them is read.
     # Lengths, starts and the page table are the step's inputs (written before its first
     # kernel): read before the PDL wait, so that only q and K/V loads follow it.
     b = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
     kvh = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    kv_start = tl.load(kv_start_ptr + b) if HAS_START else 0
+    kv_start = _kv_start(kv_start_ptr, b, seq_len, window, HAS_START, HAS_WINDOW)
     split_len = _split_len(seq_len - kv_start, num_splits, BLOCK_N, MIN_SPLIT)
     start = kv_start + split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -456,6 +519,8 @@ def _decode_split_kernel(
     )  # fmt: skip
     store_mask = row_mask[:, None] & d_mask[None, :]
     if DIRECT:
+        if HAS_SINKS:
+            out = _with_sink(out, m_i, l_i, sinks_ptr, heads, row_mask)
         tl.store(
             out_ptr + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -476,18 +541,20 @@ def _store_partial(part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, store_mas
     tl.store(lse_ptr + row, lse, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_cols"])
+@triton.jit(do_not_specialize=["num_splits", "num_cols", "window"])
 def _decode_reduce_kernel(
     part_ptr,
     lse_ptr,
     seq_lens_ptr,
     kv_start_ptr,
     num_parts_ptr,
+    sinks_ptr,
     out_ptr,
     stride_ot,
     stride_oh,
     num_splits,
     num_cols,
+    window,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -495,6 +562,8 @@ def _decode_reduce_kernel(
     BLOCK_N: tl.constexpr,
     MIN_SPLIT: tl.constexpr,
     HAS_CASCADE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # Merges a (request, head)'s partial results: the split kernel's active splits (columns
@@ -503,7 +572,7 @@ def _decode_reduce_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    kv_start = tl.load(kv_start_ptr + b) if HAS_CASCADE else 0
+    kv_start = _kv_start(kv_start_ptr, b, seq_len, window, HAS_CASCADE, HAS_WINDOW)
     split_len = _split_len(seq_len - kv_start, num_splits, BLOCK_N, MIN_SPLIT)
     num_active = tl.cdiv(seq_len - kv_start, split_len)  # 0 for an empty (padding) request: writes zeros
     s = tl.arange(0, BLOCK_S)
@@ -517,10 +586,17 @@ def _decode_reduce_kernel(
     row = (b.to(tl.int64) * NUM_Q_HEADS + h) * num_cols + s
     lse = tl.load(lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
+    if HAS_SINKS:  # the head's sink logit joins the denominator (natural base, unscaled)
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    else:
+        m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.where(s_mask, tl.exp2(lse - m), 0.0)
     part = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m)
+    out = tl.sum(part * w[:, None], 0) / tl.maximum(denom, 1e-30)
     tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -554,10 +630,16 @@ def paged_decode(
     cascade: CascadeInputs | None = None,
     heads_first: bool = True,
     pdl: bool = True,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[b] = attention of q[b] ([B, Hq, D], one token per request) over the first
     seq_lens[b] positions of request b's pages. With num_splits > 1 or a cascade, `workspace`
     (fp32, at least workspace_numel(...) elements) holds the partial results.
+
+    `window` > 0 (a sliding-window layer): only the last `window` positions are read, from
+    max(0, seq_lens[b] - window); not with a cascade. `sinks` [Hq]: each head's sink logit
+    joins the softmax's denominator (attention_reference says how).
 
     `cascade` (nanoserve.attention.cascade): requests grouped by a shared prefix; each
     group's prefix is read once by the prefix kernel for all its members, the split kernel
@@ -568,6 +650,11 @@ def paged_decode(
     assert q.stride(2) == 1 and out.stride(2) == 1
     kc_slot, _ = _flat_cache(k_cache)
     vc_slot, _ = _flat_cache(v_cache)
+    if window > 0 and cascade is not None:
+        raise ValueError("cascade decode does not take a sliding window")
+    has_sinks = sinks is not None
+    if has_sinks:
+        assert sinks.shape == (num_q_heads,) and sinks.is_contiguous()
     cfg = INTERPRET_DECODE_CONFIG if INTERPRET else DECODE_CONFIG
     block_d = triton.next_power_of_2(head_dim)
     block_n = _decode_block_n(cfg, block_d, k_cache)
@@ -583,18 +670,19 @@ def paged_decode(
         part, lse = workspace[:n_part], workspace[n_part : n_part + n_lse]
     kv_start = cascade.prefix_len if cascade is not None else seq_lens  # unused without cascade
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+    sinks_arg = sinks if has_sinks else seq_lens  # unused without sinks
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, page_table, seq_lens, kv_start,
+        q, k_cache, v_cache, page_table, seq_lens, kv_start, sinks_arg,
         out, part, lse,
         q.stride(0), q.stride(1),
         kc_slot, vc_slot,
         page_table.stride(0),
         out.stride(0), out.stride(1),
-        num_splits, num_cols, scale * LOG2E,
+        num_splits, num_cols, window, scale * LOG2E,
         NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct, HAS_START=cascade is not None,
-        DOT_F32=DOT_F32, HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
+        HAS_WINDOW=window > 0, HAS_SINKS=has_sinks, DOT_F32=DOT_F32, HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
         **launch_options(q.device, pdl),
     )  # fmt: skip
     if cascade is not None:
@@ -613,11 +701,11 @@ def paged_decode(
     if not direct:
         num_parts = cascade.num_parts if cascade is not None else seq_lens  # unused without cascade
         _decode_reduce_kernel[(batch, num_q_heads)](
-            part, lse, seq_lens, kv_start, num_parts, out,
-            out.stride(0), out.stride(1), num_splits, num_cols,
+            part, lse, seq_lens, kv_start, num_parts, sinks_arg, out,
+            out.stride(0), out.stride(1), num_splits, num_cols, window,
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_S=_reduce_block_s(num_cols), BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS,
-            HAS_CASCADE=cascade is not None, num_warps=4, **launch_options(q.device, pdl),
+            HAS_CASCADE=cascade is not None, HAS_WINDOW=window > 0, HAS_SINKS=has_sinks, num_warps=4, **launch_options(q.device, pdl),
         )  # fmt: skip
     return out
 
@@ -656,7 +744,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
 # ----------------------------------------------------------------------------------- extend
 
 
-@triton.jit(do_not_specialize=["stride_pt", "num_m_blocks"])
+@triton.jit(do_not_specialize=["stride_pt", "num_m_blocks", "window"])
 def _extend_kernel(
     q_ptr,
     k_ptr,
@@ -667,6 +755,7 @@ def _extend_kernel(
     cu_q_ptr,
     prefix_lens_ptr,
     page_table_ptr,
+    sinks_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -679,6 +768,7 @@ def _extend_kernel(
     stride_ot,
     stride_oh,
     num_m_blocks,
+    window,
     scale_log2,
     GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -687,6 +777,8 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # Heads vary fastest in launch order so that the group sharing a kv head runs together
     # (its K/V stays in L2); query blocks run last-first so the longest causal rows start early.
@@ -718,24 +810,43 @@ def _extend_kernel(
         offs_n = tl.arange(0, BLOCK_N)
 
         # 1) the cached prefix, through the page table: every prefix position precedes every
-        #    new token, so only the length masks it.
+        #    new token, so only the length masks it (and, with a sliding window, each row's
+        #    window: row r sees positions from prefix + r - window + 1 on; the block reads
+        #    from its first row's start).
         table = page_table_ptr + b.to(tl.int64) * stride_pt
         kc_base = k_cache_ptr + kvh * HEAD_DIM
         vc_base = v_cache_ptr + kvh * HEAD_DIM
-        page = _first_pages(table, 0, prefix, PAGE_SIZE, BLOCK_N)
+        if HAS_WINDOW:
+            row_lo = prefix + offs_m - window + 1  # in positions
+            lo = tl.maximum(prefix + m0 - window + 1, 0)
+        else:
+            row_lo = offs_m  # unused
+            lo = 0
+        page = _first_pages(table, lo, prefix, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc = _attend_pages(
-            q, m_i, l_i, acc, table, page, kc_base, vc_base, 0, prefix, stride_kc_slot, stride_vc_slot, d,
-            scale_log2, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
+            q, m_i, l_i, acc, table, page, kc_base, vc_base, lo, prefix, stride_kc_slot, stride_vc_slot, d,
+            scale_log2, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32, row_lo, HAS_WINDOW,
         )  # fmt: skip
 
-        # 2) new tokens before this query block: visible to every row, no mask.
+        # 2) new tokens before this query block: visible to every row, no mask (with a
+        #    window: from the block's first row's window start, masked by each row's).
         k_base = k_ptr + (q_start.to(tl.int64)) * stride_kt + kvh * stride_kh
         v_base = v_ptr + (q_start.to(tl.int64)) * stride_vt + kvh * stride_vh
-        for n0 in range(0, m0, BLOCK_N):
-            cols = n0 + offs_n
-            k = _load_tile(k_base + cols[:, None] * stride_kt + d[None, :], offs_n, d, HEAD_DIM, BLOCK_D, False)
-            v = _load_tile(v_base + cols[:, None] * stride_vt + d[None, :], offs_n, d, HEAD_DIM, BLOCK_D, False)
-            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, offs_n, scale_log2, MASKED=False, DOT_F32=DOT_F32)
+        if HAS_WINDOW:
+            col_lo = offs_m - window + 1  # in new-token columns
+            first = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N  # whole tiles that end at m0
+            for n0 in range(first, m0, BLOCK_N):
+                cols = n0 + offs_n
+                k = _load_tile(k_base + cols[:, None] * stride_kt + d[None, :], offs_n, d, HEAD_DIM, BLOCK_D, False)
+                v = _load_tile(v_base + cols[:, None] * stride_vt + d[None, :], offs_n, d, HEAD_DIM, BLOCK_D, False)
+                mask = cols[None, :] >= col_lo[:, None]
+                m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, mask, scale_log2, True, DOT_F32, True)
+        else:
+            for n0 in range(0, m0, BLOCK_N):
+                cols = n0 + offs_n
+                k = _load_tile(k_base + cols[:, None] * stride_kt + d[None, :], offs_n, d, HEAD_DIM, BLOCK_D, False)
+                v = _load_tile(v_base + cols[:, None] * stride_vt + d[None, :], offs_n, d, HEAD_DIM, BLOCK_D, False)
+                m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, offs_n, scale_log2, MASKED=False, DOT_F32=DOT_F32)
 
         # 3) the diagonal: causal and length masks. Row m0 sees column m0, so no row of the
         #    first diagonal block is fully masked and m_i is finite from then on.
@@ -746,9 +857,18 @@ def _extend_kernel(
             k = _load_tile(k_base + cols[:, None] * stride_kt + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
             v = _load_tile(v_base + cols[:, None] * stride_vt + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
             mask = (cols[None, :] <= offs_m[:, None]) & n_mask[None, :]
-            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, mask, scale_log2, MASKED=True, DOT_F32=DOT_F32)
+            if HAS_WINDOW:
+                mask = mask & (cols[None, :] >= col_lo[:, None])
+                m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, mask, scale_log2, True, DOT_F32, True)
+            else:
+                m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, mask, scale_log2, MASKED=True, DOT_F32=DOT_F32)
 
-        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        if HAS_SINKS:  # the head's sink logit joins the denominator (natural base, unscaled)
+            sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+            m_all = tl.maximum(m_i, sink)
+            out = acc * tl.exp2(m_i - m_all)[:, None] / (l_i * tl.exp2(m_i - m_all) + tl.exp2(sink - m_all))[:, None]
+        else:
+            out = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(
             out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -774,9 +894,13 @@ def paged_extend(
     max_query_len: int,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens (q/k/v rows cu_query_lens[i]:[i+1])
-    over its cached prefix (prefix_lens[i] positions in its pages) and its new tokens."""
+    over its cached prefix (prefix_lens[i] positions in its pages) and its new tokens;
+    `window` > 0: each token over its last `window` positions only; `sinks` [Hq]: as
+    `paged_decode`."""
     num_reqs = cu_query_lens.shape[0] - 1
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
@@ -785,6 +909,8 @@ def paged_extend(
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and out.stride(2) == 1
     kc_slot, _ = _flat_cache(k_cache)
     vc_slot, _ = _flat_cache(v_cache)
+    if sinks is not None:
+        assert sinks.shape == (num_q_heads,) and sinks.is_contiguous()
     cfg = extend_config(head_dim)
     num_m_blocks = triton.cdiv(max_query_len, cfg["BLOCK_M"])
     _extend_kernel[(num_q_heads, num_reqs, num_m_blocks)](
@@ -797,6 +923,7 @@ def paged_extend(
         cu_query_lens,
         prefix_lens,
         page_table,
+        prefix_lens if sinks is None else sinks,  # unused without sinks
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -809,6 +936,7 @@ def paged_extend(
         out.stride(0),
         out.stride(1),
         num_m_blocks,
+        window,
         scale * LOG2E,
         GROUP=num_q_heads // num_kv_heads,
         PAGE_SIZE=page_size,
@@ -817,6 +945,8 @@ def paged_extend(
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         DOT_F32=DOT_F32,
+        HAS_WINDOW=window > 0,
+        HAS_SINKS=sinks is not None,
         num_warps=cfg["num_warps"],
         num_stages=_stages(cfg, q),
     )

@@ -1,6 +1,6 @@
 """Building blocks of the decoder, written so that tensor parallelism can shard them.
 
-Owns: RMSNorm, rotary embedding (default, linear and llama3 scaling), column- and
+Owns: RMSNorm, rotary embedding (default, linear, llama3 and YaRN scaling), column- and
 row-parallel linears, the vocab-parallel embedding and LM head, and the choice between the
 torch references and the Triton kernels of nanoserve/kernels on CUDA. Which fast paths run
 is set by the `KernelSwitches` each layer holds (`switches`, the defaults unless
@@ -228,7 +228,7 @@ rope = fused(rope_reference)
 # at any row count, wider ones from TRITON_SILU_WIDE_MIN_ROWS rows (decode's largest batches,
 # prefill). qwen3-0.6b (I = 3072), H200, 2026-11-21: batch-1 TPOT 0.863 against 0.893 ms, and
 # decode steps 1-5% faster together with the split-K rule. llama-3.1-8b (I = 14336), H100,
-# 2026-11-27 (RESULTS.md), ms per decode step, Triton against compiled: 6.232 / 6.196 at 2
+# 2026-11-27 (benchmarks/results/2026-11-27.md), ms per decode step, Triton against compiled: 6.232 / 6.196 at 2
 # rows, 6.396 / 6.327 at 8, 6.616 / 6.574 at 16, 6.946 / 6.908 at 32, 7.200 / 7.201 at 64,
 # 8.333 / 8.321 at 128, 11.152 / 11.329 at 256;
 # the offline workload 8,305 -> 8,444-8,505 output tok/s (bf16), 9,857 -> 10,087-10,135
@@ -259,10 +259,16 @@ silu_and_mul.plain = silu_and_mul_reference
 
 
 class RMSNorm(_SwitchedLayer):
-    def __init__(self, dim: int, eps: float):
+    """RMSNorm scaled by `weight`. `weight_offset` (Gemma: 1) is added to the checkpoint's
+    weight at load, so that a norm that scales by (1 + w) runs as any other: exact in fp32;
+    in 16-bit the sum is rounded once at load where Gemma rounds after its fp32 product."""
+
+    def __init__(self, dim: int, eps: float, weight_offset: float = 0.0):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        if weight_offset:
+            self.weight.weight_loader = lambda p, full, shard_id: p.data.copy_(full.float() + weight_offset)
 
     def forward(
         self, x: torch.Tensor | SplitKPartials, residual: torch.Tensor | None = None, reduce_over: TPGroup = SINGLE
@@ -319,6 +325,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     # llama3: long wavelengths slowed down by `factor`, short ones kept, a smooth ramp between.
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -329,6 +337,46 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): frequencies that turn fewer than `beta_slow` times over the
+    original context are interpolated (divided by `factor`), those that turn more than
+    `beta_fast` times kept, with a linear ramp over the dimensions between; `truncate`
+    (default true) rounds the ramp's ends to whole dimensions. As Hugging Face computes it."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the original context
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1: extrapolated (kept as is), 0: interpolated
+    base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    return (1.0 / (factor * base)) * (1 - kept) + (1.0 / base) * kept
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What YaRN multiplies cos and sin by (1 for other ropes): `attention_factor` if given,
+    else 0.1 ln(factor) + 1, or its ratio for `mscale` / `mscale_all_dim`."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale()
 
 
 # The rotary kernel also writes the new K/V into the cache where the caller hands it a KVSink
@@ -348,6 +396,9 @@ class RotaryEmbedding(_SwitchedLayer):
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         head_dim, max_positions, theta, scaling = self._spec
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
+        gain = rope_attention_factor(scaling)
+        if gain != 1.0:  # YaRN scales both tables
+            return freqs.cos() * gain, freqs.sin() * gain
         return freqs.cos(), freqs.sin()
 
     def forward(
@@ -380,6 +431,14 @@ class RotaryEmbedding(_SwitchedLayer):
         if kv_sink is not None:
             kv_sink.store(k, v)
         return q, k
+
+
+def _gelu_tanh_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+gelu_tanh_and_mul = fused(_gelu_tanh_and_mul_reference)
 
 
 def init_unloaded(model: nn.Module) -> None:
@@ -530,7 +589,7 @@ class ColumnParallelLinear(_SwitchedLayer):
 
 # Tensor parallelism: row-parallel partial sums are all-reduced in the activation dtype, as
 # vLLM and SGLang do; `tp_reduce_fp32` keeps them fp32 and rounds once (see
-# RowParallelLinear). Measured on 2 x H200, dummy llama-3.1-8b bf16 (RESULTS.md, 2026-11-21):
+# RowParallelLinear). Measured on 2 x H200, dummy llama-3.1-8b bf16 (benchmarks/results/2026-11-21.md):
 # bf16 sums 14,509 vs 13,025 offline tok/s and 3.20 vs 3.30 ms batch-1 TPOT, and greedy
 # agreement with TP=1 no worse (4/16 vs 2/16 identical over 32 tokens; top-5 never broken).
 

@@ -21,8 +21,11 @@ import torch
 from tqdm import tqdm
 
 from nanoserve.distributed import SINGLE, TPGroup
+from nanoserve.models import mxfp4
 from nanoserve.models import quantization as quant
-from nanoserve.models.decoder import DecoderLM
+from nanoserve.models.decoder import DecoderLayer, DecoderLM
+from nanoserve.models.gemma3 import Gemma3DecoderLayer, text_checkpoint
+from nanoserve.models.gpt_oss import hf_shapes as gpt_oss_shapes
 from nanoserve.models.layers import ColumnParallelLinear, RowParallelLinear, init_unloaded
 from nanoserve.models.model_config import ModelConfig
 from nanoserve.models.moe import hf_moe_shapes
@@ -101,6 +104,9 @@ def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if cfg.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         for proj, rows in (
             ("q_proj", cfg.num_heads * d),
             ("k_proj", cfg.num_kv_heads * d),
@@ -110,11 +116,15 @@ def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             if cfg.qkv_bias:
                 shapes[p + f"self_attn.{proj}.bias"] = (rows,)
         shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * d)
+        if cfg.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (cfg.num_heads,)
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         if cfg.is_moe_layer(i):
-            shapes |= hf_moe_shapes(cfg, p)
+            shapes |= gpt_oss_shapes(cfg, p) if cfg.moe.clamped_swiglu else hf_moe_shapes(cfg, p)
             continue
         shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
@@ -134,7 +144,7 @@ DUMMY_LOGIT_GAIN = 6.0
 0.40 and 9.5 distinct tokens per output, as in trained models the top token is neither certain
 nor lost among 150k; and bf16 stays as close to fp32 as on real weights: 4/8 outputs identical,
 mean common prefix 10.1 of 16, every divergence keeps the other run's token in its top-5.
-Measured 2026-11-25 (benchmarks/RESULTS.md): gain 8 with queries scaled by 4 varied as much
+Measured 2026-11-25 (benchmarks/results/2026-11-25.md): gain 8 with queries scaled by 4 varied as much
 but made bf16 and fp32 disagree on the first token's top-5 (too chaotic to compare fast paths
 on); gain 3 gave a median top-1 probability of 0.05 (too flat)."""
 
@@ -144,18 +154,29 @@ def dummy_checkpoint(cfg: ModelConfig, seed: int, device: torch.device, dtype: t
     run with the same seed on the same device type sees the same weights.
 
     Activations stay of order one through the layers; greedy outputs vary from prompt to
-    prompt and step to step, and logits are spread as in trained models (tests/test_dummy_weights.py)."""
+    prompt and step to step, and logits are spread as in trained models (tests/test_dummy_weights.py).
+    A model that scales its embedding (Gemma: by sqrt(hidden_size)) gets an embedding divided by
+    that scale, so that its stream starts as other families' do (at full scale the current
+    token's own row won the tied logits and outputs looped over 2-5 tokens); with tied
+    embeddings the final norm's gain then makes up for the smaller LM head."""
+    tied_gain = cfg.embed_scale if (cfg.embed_scale and cfg.tie_word_embeddings) else 1.0
     for name, shape in hf_parameter_shapes(cfg).items():
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         values = torch.rand(shape, generator=gen, device=device, dtype=torch.float32) * 2 - 1
         if name.endswith("norm.weight"):
             values = 1 + 0.1 * values
-        elif name.endswith(".bias"):
+            if name == "model.norm.weight":
+                values = values * DUMMY_LOGIT_GAIN * tied_gain
+            values = values - cfg.norm_weight_offset  # the gain once the loader adds Gemma's offset back
+        elif name.endswith((".bias", "_bias")):
             values = 0.1 * values
-        else:
-            values = values * (3.0 / shape[-1]) ** 0.5
-        if name == "model.norm.weight":
-            values = values * DUMMY_LOGIT_GAIN
+        elif name.endswith(".sinks"):  # logits of order one
+            pass
+        else:  # gpt-oss's experts are stored [E, fan_in, fan_out]
+            fan_in = shape[1] if name.endswith(("experts.gate_up_proj", "experts.down_proj")) else shape[-1]
+            values = values * (3.0 / fan_in) ** 0.5
+            if name == "model.embed_tokens.weight" and cfg.embed_scale:
+                values = values / cfg.embed_scale  # which the model multiplies back (see above)
         yield name, values.to(dtype)
 
 
@@ -213,11 +234,13 @@ def build_model(
     FP8 weights are dequantized to `dtype` at load (the CPU path and slow twin)."""
     cfg = source.config
     # Refused here, before anything is built or read: nothing is ever half-loaded.
-    scheme = quant.parse_quantization_config(cfg.hf_config)
+    mx = mxfp4.is_mxfp4_checkpoint(cfg.hf_config)  # gpt-oss experts, dequantized at load
+    scheme = None if mx else quant.parse_quantization_config(cfg.hf_config)
     online = quant.online_scheme(quantization)
-    if scheme is not None and online is not None:
+    if (scheme is not None or mx) and online is not None:
         raise quant.UnsupportedQuantization(
-            f"the checkpoint is already quantized (quant_method {scheme.source!r}): leave out --quantization"
+            f"the checkpoint is already quantized (quant_method {'mxfp4' if mx else scheme.source!r}): "
+            "leave out --quantization"
         )
     if scheme is not None and load_format == "dummy":
         scheme, online = None, quant.Fp8Scheme("online")  # random weights: quantized at load per channel
@@ -234,7 +257,8 @@ def build_model(
         # FP8 linears are built on the meta device first and allocated once converted: the
         # model never takes its high-precision size on the device (a 70B model would not fit).
         with torch.device("meta" if fp8 else device):
-            model = DecoderLM(cfg, max_positions=max_positions, tp=tp, switches=switches)
+            layer_class = Gemma3DecoderLayer if cfg.sandwich_norms else DecoderLayer
+            model = DecoderLM(cfg, max_positions=max_positions, tp=tp, switches=switches, layer_class=layer_class)
             if fp8:
                 _use_fp8(model, scheme or online)
         if fp8:
@@ -250,6 +274,10 @@ def build_model(
         checkpoint = gguf_checkpoint(source.path, cfg)
     else:
         raise ValueError(f"model {cfg.name!r} is a bundled config without weights: use load_format='dummy'")
+    if mx and load_format != "dummy":
+        checkpoint = mxfp4.dequantized(checkpoint, dtype)
+    if cfg.model_type == "gemma3_text":
+        checkpoint = text_checkpoint(checkpoint)
     if scheme is not None:
         checkpoint = quant.fp8_tensors(checkpoint, scheme) if keep else quant.dequantized(checkpoint, scheme, dtype)
     elif online is not None:

@@ -8,6 +8,11 @@ Mixture-of-experts families (qwen3_moe, qwen2_moe, mixtral) fill `moe`; which la
 sparse is `is_moe_layer`, as Hugging Face decides it (Qwen: not in `mlp_only_layers` and
 (i + 1) a multiple of `decoder_sparse_step`; Mixtral: every layer). Dense layers of a MoE
 model use `intermediate_size`.
+
+Models that mix attention kinds (Gemma 3) list one kind per layer in `layer_types`
+("full_attention" or "sliding_attention", as Hugging Face's configs do); a sliding layer
+attends to its last `sliding_window` positions (`window_of`) and may have its own rope
+(`local_rope`). Any other layer kind is refused by name.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ _FAMILIES = {
     "mixtral": ("llama", False, False),
 }
 _MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,9 @@ class MoEConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     every_layer: bool = False  # Mixtral: every layer is sparse, whatever the two fields above say
+    # gpt-oss: biased router and experts whose activation is a clamped SwiGLU,
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit).
+    clamped_swiglu: tuple[float, float] | None = None  # (alpha, limit); None: SiLU experts
 
     @staticmethod
     def from_hf_dict(cfg: dict, model_type: str) -> MoEConfig:
@@ -63,7 +72,7 @@ class MoEConfig:
         )
 
 
-_SUPPORTED_ROPE = ("default", "llama3", "linear")
+_SUPPORTED_ROPE = ("default", "llama3", "linear", "yarn")
 
 
 @dataclass(frozen=True)
@@ -88,11 +97,27 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None  # None: a dense model
+    # Mixed attention kinds and the Gemma family's details (defaults: a Llama-like model).
+    layer_types: tuple[str, ...] = ()  # one of LAYER_KINDS per layer; empty: every layer full
+    sliding_window: int = 0  # positions a sliding layer sees (itself included)
+    local_rope: tuple[float, dict | None] | None = None  # sliding layers' (theta, scaling); None: the global one
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_pytorch_tanh
+    norm_weight_offset: float = 0.0  # Gemma's RMSNorm scales by (offset + weight)
+    embed_scale: float | None = None  # Gemma multiplies the embedding by sqrt(hidden_size)
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
+    sandwich_norms: bool = False  # Gemma: norms after attention and MLP as well as before
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per query head
+    o_bias: bool = False  # a bias on the attention output projection (gpt-oss)
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def from_hf_dict(cfg: dict, name: str = "") -> ModelConfig:
         model_type = cfg.get("model_type", "")
+        if model_type in ("gemma3", "gemma3_text"):
+            return _gemma3_config(cfg, name)
+        if model_type == "gpt_oss":
+            return _gpt_oss_config(cfg, name)
         if model_type not in _FAMILIES:
             raise ValueError(
                 f"unsupported model_type {model_type!r}: nanoserve runs {sorted(_FAMILIES)} "
@@ -109,13 +134,23 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         max_pos = cfg.get("max_position_embeddings", 4096)
+        # A sliding window as Hugging Face applies it: on every layer for Mistral and Mixtral
+        # (whenever sliding_window is set), on layers from max_window_layers on for the Qwen
+        # families with use_sliding_window (unless the config lists layer_types itself).
         window = (
             cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type in ("mistral", "mixtral")) else None
         )
-        if window:
-            # No sliding-window attention here: stay within the window, where full
-            # attention computes the same thing.
-            max_pos = min(max_pos, window)
+        layers = cfg["num_hidden_layers"]
+        if not window:
+            _layer_types(cfg, layers, ["full_attention"] * layers)  # checked, then every layer is full
+            kinds = ()
+        elif model_type in ("mistral", "mixtral"):
+            kinds = _layer_types(cfg, layers, ["sliding_attention"] * layers)
+        else:
+            first = cfg.get("max_window_layers", 28)
+            kinds = _layer_types(
+                cfg, layers, ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+            )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return ModelConfig(
@@ -139,8 +174,16 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             moe=MoEConfig.from_hf_dict(cfg, model_type) if model_type in _MOE_TYPES else None,
+            layer_types=kinds,
+            sliding_window=int(window or 0),
             hf_config=dict(cfg),
         )
+
+    def window_of(self, i: int) -> int:
+        """Layer i's sliding window in positions (0: full attention)."""
+        if self.layer_types and self.layer_types[i] == "sliding_attention":
+            return self.sliding_window
+        return 0
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i's MLP is the sparse mixture-of-experts block."""
@@ -171,3 +214,152 @@ def _rope_fields(cfg: dict, default_theta: float = 10000.0) -> tuple[float, dict
         if rope_type == "default":
             scaling = None
     return float(theta), scaling
+
+
+def _sizes(cfg: dict, layers: int, heads: int, hidden: int, defaults: dict) -> dict:
+    """ModelConfig's size, vocabulary and token fields from a config dict, with the family's
+    `defaults` (Hugging Face key -> value) for what the dict leaves out."""
+
+    def get(key):
+        value = cfg.get(key)
+        return defaults.get(key) if value is None else value
+
+    eos = get("eos_token_id")
+    return {
+        "hidden_size": hidden,
+        "num_layers": layers,
+        "num_heads": heads,
+        "num_kv_heads": get("num_key_value_heads"),
+        "head_dim": get("head_dim"),
+        "intermediate_size": get("intermediate_size"),
+        "vocab_size": get("vocab_size"),
+        "rms_norm_eps": get("rms_norm_eps"),
+        "max_position_embeddings": cfg.get("max_position_embeddings", 131_072),
+        "tie_word_embeddings": bool(get("tie_word_embeddings")),
+        "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype"),
+        "bos_token_id": get("bos_token_id"),
+        "eos_token_ids": tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+    }
+
+
+def _layer_types(cfg: dict, num_layers: int, default: list[str]) -> tuple[str, ...]:
+    """The config's per-layer attention kinds (or `default`), checked: every entry one of
+    LAYER_KINDS, one per layer."""
+    kinds = cfg.get("layer_types") or default
+    bad = sorted({k for k in kinds if k not in LAYER_KINDS})
+    if bad:
+        raise ValueError(f"unsupported layer_types entries {bad}: nanoserve runs {list(LAYER_KINDS)}")
+    if len(kinds) != num_layers:
+        raise ValueError(f"layer_types has {len(kinds)} entries for {num_layers} layers")
+    return tuple(kinds)
+
+
+def _gemma3_rope(text: dict) -> tuple[tuple[float, dict | None], tuple[float, dict | None]]:
+    """((theta, scaling) of full layers, (theta, scaling) of sliding layers) from either
+    config generation: 5.x `rope_parameters` per layer kind, or 4.x `rope_theta`,
+    `rope_local_base_freq` and a `rope_scaling` that applies to full layers only."""
+    params = text.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full = _rope_fields({"rope_parameters": params["full_attention"]}, 1_000_000.0)
+        local = _rope_fields({"rope_parameters": params.get("sliding_attention") or {}}, 10_000.0)
+        return full, local
+    full = _rope_fields({k: text[k] for k in ("rope_theta", "rope_scaling") if k in text}, 1_000_000.0)
+    return full, (float(text.get("rope_local_base_freq", 10_000.0)), None)
+
+
+def _gemma3_config(cfg: dict, name: str) -> ModelConfig:
+    """Gemma 3's text decoder: a `gemma3_text` config, or the text part of a multimodal
+    `gemma3` one (its vision tower is not loaded: nanoserve serves text only)."""
+    text = dict(cfg.get("text_config") or {}) if cfg.get("model_type") == "gemma3" else dict(cfg)
+    if cfg.get("model_type") == "gemma3":
+        for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+            if key not in text and key in cfg:
+                text[key] = cfg[key]
+    if text.get("attn_logit_softcapping"):
+        raise ValueError("Gemma attention logit softcapping (attn_logit_softcapping) is not supported")
+    if text.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True (an encoder) is not supported")
+    if text.get("attention_bias"):
+        raise ValueError("attention_bias=True is not supported for Gemma 3")
+    act = text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma 3 activation {act!r} is not supported (gelu_pytorch_tanh)")
+    layers = text.get("num_hidden_layers", 26)
+    pattern = text.get("sliding_window_pattern", 6)
+    default_kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    hidden = text.get("hidden_size", 2304)
+    heads = text.get("num_attention_heads", 8)
+    (theta, scaling), local = _gemma3_rope(text)
+    sliding = int(text.get("sliding_window") or 4096)
+    defaults = {"num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216, "vocab_size": 262_208}
+    defaults |= {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1}
+    return ModelConfig(
+        name=name,
+        model_type="gemma3_text",
+        **_sizes(text, layers, heads, hidden, defaults),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=False,
+        qk_norm=True,
+        layer_types=_layer_types(text, layers, default_kinds),
+        sliding_window=sliding,
+        local_rope=local,
+        attention_scale=float(text.get("query_pre_attn_scalar", 256)) ** -0.5,
+        hidden_act=act,
+        norm_weight_offset=1.0,
+        embed_scale=hidden**0.5,
+        final_logit_softcapping=text.get("final_logit_softcapping"),
+        sandwich_norms=True,
+        hf_config=dict(cfg),
+    )
+
+
+def _gpt_oss_config(cfg: dict, name: str) -> ModelConfig:
+    """gpt-oss: sliding-window layers alternating with full ones, attention sinks, biases on
+    every attention projection, and a mixture of experts in every layer (biased router and
+    experts, clamped SwiGLU). YaRN rope. Defaults as transformers' GptOssConfig."""
+    layers = cfg.get("num_hidden_layers", 36)
+    heads = cfg.get("num_attention_heads", 64)
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 128
+    top_k = cfg.get("num_experts_per_tok", 4)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_local_experts {experts}")
+    default_rope = {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    }
+    rope_cfg = dict(cfg)
+    if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+        rope_cfg["rope_scaling"] = default_rope
+    theta, scaling = _rope_fields(rope_cfg, default_theta=150_000.0)
+    default_kinds = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    bias = bool(cfg.get("attention_bias", True))
+    inter = cfg.get("intermediate_size", 2880)
+    defaults = {"num_key_value_heads": heads, "head_dim": 64, "intermediate_size": inter, "vocab_size": 201_088}
+    defaults |= {"rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    return ModelConfig(
+        name=name,
+        model_type="gpt_oss",
+        **_sizes(cfg, layers, heads, cfg.get("hidden_size", 2880), defaults),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=bias,
+        qk_norm=False,
+        moe=MoEConfig(
+            num_experts=int(experts),
+            top_k=int(top_k),
+            renormalize=True,  # a softmax over the k largest logits
+            intermediate_size=int(inter),
+            every_layer=True,
+            clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))),
+        ),
+        layer_types=_layer_types(cfg, layers, default_kinds),
+        sliding_window=int(cfg.get("sliding_window") or 128),
+        attention_sinks=True,
+        o_bias=bias,
+        hf_config=dict(cfg),
+    )

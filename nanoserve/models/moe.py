@@ -46,7 +46,7 @@ from nanoserve.models.model_config import ModelConfig
 MLP_REDUCE_SLOT = 1  # the symmetric-memory slot a dense MLP's down projection writes (decoder.MLP)
 
 # The fused MoE kernels launch under PDL (KernelSwitches.pdl) where that was measured faster:
-# experts (this rank's slice) up to MOE_PDL_MAX_INTER wide. H200, 2026-11-27 (RESULTS.md):
+# experts (this rank's slice) up to MOE_PDL_MAX_INTER wide. H200, 2026-11-27 (benchmarks/results/2026-11-27.md):
 # qwen3-30b-a3b (I = 768) batch-1 TPOT 2.891 -> 2.764 ms on one machine; mixtral-8x7b
 # (I = 14336) 7.033 ms with it against 6.965-6.966 without on two others, so wide experts
 # launch without it. One TP=2 rank of mixtral-8x7b (I = 7168) gains from it: batch-1 TPOT
