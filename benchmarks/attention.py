@@ -17,7 +17,7 @@ Prints a markdown table at the end and writes it to $OUT/attention.md when OUT i
 offline workload (ragged context lengths, qwen3-0.6b's 16 query heads by default) under
 several launch configs (sums over its steps 0, 100, ..., 1000).
 
-On one H200 (benchmarks/RESULTS.md): paged decode at 97-107% of the measured copy bandwidth
+On one H200 (benchmarks/results/2026-11-21.md): paged decode at 97-107% of the measured copy bandwidth
 (batch 64-256 x context 1k-8k, Llama-3.1-8B heads); extend 4 x 2048 at 374 TFLOP/s, 1.36x
 torch's FlashAttention-2.
 """

@@ -17,7 +17,7 @@ use fewer prompts there for a smoke run.
 
     python benchmarks/fp8_quality.py [--prompts 48] [--new 48] [--device auto]
 
-On an H200 (benchmarks/RESULTS.md, 2026-11-27): mean |logprob difference| 0.130; FP8 keeps
+On an H200 (benchmarks/results/2026-11-27.md): mean |logprob difference| 0.130; FP8 keeps
 9.2 tokens of common prefix with fp32 against bf16's 27.2 (probes/fp8_rounding.py: the e4m3
 weight rounding alone keeps 11-14).
 """

@@ -21,7 +21,7 @@ What to expect on an H200 (HBM3e 4.8 TB/s, ~990 dense bf16 TFLOP/s): at small T 
 bound by reading the chosen experts, so fused should reach roughly 3.5-4.3 TB/s (batch 1:
 qwen3 ~75 MB in ~20 us, mixtral ~700 MB in ~170 us); at T >= 1024 it is a grouped GEMM and
 should reach a large fraction of the dense GEMM's TFLOP/s. These are targets, not results:
-record measured figures in benchmarks/RESULTS.md.
+record measured figures in benchmarks/results/ (headline rows in RESULTS.md).
 
 --tune measures, for each shape and T bucket, the block sizes of both GEMMs on each path that
 T may take (gate_up with the fallback down, then down with gate_up's best; the decode path's

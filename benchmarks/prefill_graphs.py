@@ -9,7 +9,7 @@ with the GPU: what time to first token sees.
 
     python benchmarks/prefill_graphs.py [--model qwen3-0.6b llama-3.1-8b] [--repeats 15]
 
-On one H200 (benchmarks/RESULTS.md): qwen3-0.6b, 1-16 prompts of <= 512 tokens prefill
+On one H200 (benchmarks/results/2026-11-21.md): qwen3-0.6b, 1-16 prompts of <= 512 tokens prefill
 3.4-4.1x faster with the piecewise graphs than eagerly.
 """
 

@@ -20,7 +20,7 @@ prefill tokens actually computed, prefix-cache hit rate, output tokens/s and wal
 then the on/off throughput ratio. Prints a markdown table and writes it to
 $OUT/prefix_cache.md when OUT is set.
 
-On one H200 (benchmarks/RESULTS.md): shared 2048-token prefixes, cache + cascade on vs off:
+On one H200 (benchmarks/results/2026-11-21.md): shared 2048-token prefixes, cache + cascade on vs off:
 3.16x (qwen3-0.6b) and 4.65x (llama-3.1-8b) the throughput; no sharing: 1.00-1.01x.
 """
 

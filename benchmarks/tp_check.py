@@ -33,7 +33,7 @@ two best tokens), so any 1-ulp difference upstream flips a greedy choice: the TP
 own graphs-vs-eager line is the noise floor that TP=N vs TP=1 should be read against;
 float32 is the sharp check.
 
-On H200s (benchmarks/RESULTS.md): llama-3.1-8b TP=2 1.63x TP=1's offline throughput and
+On H200s (benchmarks/results/2026-11-21.md): llama-3.1-8b TP=2 1.63x TP=1's offline throughput and
 0.623x its batch-1 TPOT; TP=4 2.09x and 0.426x.
 """
 

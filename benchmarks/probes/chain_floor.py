@@ -32,7 +32,7 @@ size pick its own reader (`per_size_readers`).
 `--persistent` also times the step's operations in one launch, a grid barrier between them
 (`_persistent_read_kernel`), first with nothing read: what a persistent kernel's
 synchronisation costs against kernel boundaries. Its reads keep one tile in flight per program
-and fall far short of the bandwidth (2026-11-28 in benchmarks/RESULTS.md): read the
+and fall far short of the bandwidth (benchmarks/results/2026-11-28.md): read the
 barriers-only line, not the others, as a floor. `--real` also loads the model (dummy weights)
 and replays its batch-1 decode graph in the same process (`latency.batch1_graph_ms`).
 """

@@ -3,7 +3,7 @@
 Measures, with the embedded SmolLM2-135M tokenizer (49,152 words), for xgrammar and
 llguidance: compile time of a few grammars cold (a fresh compiler) and cached (the same spec
 again), and the per-token time to fill the next-token bitmask while walking a valid output
-token by token. Prints one table; the choice and the numbers are in benchmarks/RESULTS.md.
+token by token. Prints one table; the choice and the numbers are in benchmarks/results/2026-11-25.md.
 
     python benchmarks/probes/grammar_libs.py
 """

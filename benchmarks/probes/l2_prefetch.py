@@ -16,7 +16,7 @@ so no layer finds its weights in L2 from the replay before.
     PYTHONUNBUFFERED=1 python benchmarks/probes/l2_prefetch.py [--fp8 both]
 
 Printed: µs per layer (median of 20 graph replays), per variant, and the change against none.
-Finding (H100, 2026-11-27, RESULTS.md): every prefetch variant was as slow or slower (up to
+Finding (H100, benchmarks/results/2026-11-27.md): every prefetch variant was as slow or slower (up to
 +19%); the engine does not prefetch beyond each GEMV's own first tile.
 """
 

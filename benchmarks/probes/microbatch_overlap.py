@@ -109,7 +109,7 @@ class Step:
             q, k, v, residual = model.piece(i, h.positions, h.ids, attn_out, residual)
             attn_stream.wait_stream(main_stream)
             with torch.cuda.stream(attn_stream):
-                attn_out = batch.attend(i, q, k, v, model.attention_scale(i))
+                attn_out = batch.attend(i, q, k, v, model.attention_scale(i), **model.attention_kind(i))
             main_stream.wait_stream(attn_stream)
         hidden = model.piece(len(model.layers), h.positions, h.ids, attn_out, residual)
         return model.compute_logits(hidden)
@@ -138,7 +138,7 @@ def alternating(st: Step, mains: list[torch.cuda.Stream], attns: list[torch.cuda
             if last is not None:
                 s.wait_event(last)
             with torch.cuda.stream(s):
-                attn_out[j] = batches[j].attend(i, q, k, v, model.attention_scale(i))
+                attn_out[j] = batches[j].attend(i, q, k, v, model.attention_scale(i), **model.attention_kind(i))
                 last = torch.cuda.Event()
                 last.record()
             mains[j].wait_stream(s)

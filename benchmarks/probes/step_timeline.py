@@ -3,7 +3,7 @@ between the LM head of one step and the first layers of the next, with the idle 
 each, from a torch.profiler trace of 12 engine steps (a 128-token prompt, greedy, dummy
 weights). Also printed: wall time per step (100 steps, no profiler) and the graph replay alone.
 Found the 31 us of torch's fp32 copy + argmax and the copy engine's start-up between steps
-(2026-11-27, RESULTS.md).
+(benchmarks/results/2026-11-27.md).
 
     python benchmarks/probes/step_timeline.py [--model llama-3.1-8b] [--quantization fp8]
 """

@@ -108,7 +108,7 @@ def fits(nbytes: int, dtype: torch.dtype, max_bytes: int) -> bool:
 # count (no flags, no reads over NVLink; twice the bytes on the wire); "pull", flags then
 # reads of the peers' slots; "auto" (default), LL for partials of at most LL_MAX_BYTES,
 # pull above (see LL_MAX_BYTES).
-# Measured on 2 x H200 (RESULTS.md, seventh round; one sum in a graph of 64, [rows, 4096] bf16,
+# Measured on 2 x H200 (benchmarks/results/2026-11-21.md, series 7; one sum in a graph of 64, [rows, 4096] bf16,
 # us): LL 4.5 / 4.9 / 7.4 / 16.9 vs pull 6.4 / 6.7 / 8.2 / 13.5 at 1 / 8 / 64 / 256 rows; in the
 # engine (llama-3.1-8b TP=2 decode step) LL 2.78 vs 2.91 ms at batch 1, 6.15 vs 5.98 at 256.
 LL_MAX_BYTES = 64 * 4096 * 2

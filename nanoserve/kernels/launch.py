@@ -21,7 +21,7 @@ is still running. Invariants every such kernel keeps:
   this one to complete in its own `gdc_wait`, so calling it first thing is always safe.
 Measured on an H200 (batch-1 decode step, benchmarks/probes/profile_decode.py --pdl off on): the
 decoder's kernels under PDL took qwen3-0.6b 1.003 -> 0.958 ms, llama-3.1-8b 4.363 -> 4.256 ms
-(benchmarks/RESULTS.md).
+(benchmarks/results/2026-11-21.md).
 """
 
 from __future__ import annotations

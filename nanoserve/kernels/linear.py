@@ -127,7 +127,7 @@ def _linear_fma_kernel(
     if USE_PDL:
         # Under PDL this program may start while the previous kernel still runs: pull the first
         # weight tile into L2 meanwhile (weights are never written), then wait before reading x.
-        # (More than one tile was slower: 2 x H200, RESULTS.md, seventh round.)
+        # (More than one tile was slower: 2 x H200, benchmarks/results/2026-11-21.md, series 7.)
         lines = tl.minimum(tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)  # within the rows
         _prefetch_l2(w_ptr + rn_in[:, None] * stride_wn + lines[None, :])
         if GATED:
@@ -770,7 +770,7 @@ def _fp8_launches(x, weight, bias, c, out, s, stride_s, block_scale, common, lau
 # Split-K configs are only returned where each split is a whole number of K blocks
 # (K % (split_k * block_k) == 0): no masked tail, every split the same length.
 # FP8 weights (`small_m_linear(w_scale=...)`) take the same rule as bf16 for now: the same
-# kernels stream half the bytes. Measured on an H200 (2026-11-25, RESULTS.md) that is 1.67x
+# kernels stream half the bytes. Measured on an H200 (benchmarks/results/2026-11-25.md) that is 1.67x
 # faster than bf16 per llama layer at M = 1, but slower than bf16 at M = 2 and 4, where the
 # rule leaves llama's shapes to cuBLASLt's FP8 GEMM (1.0-1.2 TB/s). The "fp8" kernel enters
 # through `fp8_linear_config` once benchmarks/probes/fp8_decode_sweep.py has measured it.
@@ -826,8 +826,7 @@ def _choose_few_rows(M: int, N: int, K: int) -> LinearConfig | None:
     return None
 
 
-# One row (the GEMV), from `python benchmarks/probes/gemv_stages.py` on an H200 (2026-11-27,
-# RESULTS.md; bf16 and per-channel FP8 weights, llama-3.1-8b, qwen3-8b, qwen3-30b-a3b and
+# One row (the GEMV), from `python benchmarks/probes/gemv_stages.py` on an H200 (benchmarks/results/2026-11-27.md; bf16 and per-channel FP8 weights, llama-3.1-8b, qwen3-8b, qwen3-30b-a3b and
 # qwen3-0.6b shapes, 12 tiles x loop stages 1-6). A pipelined K loop (LOOP_STAGES: cp.async
 # into shared memory) keeps bytes in flight without registers; it pays wherever K takes more
 # than one step:
@@ -872,7 +871,7 @@ def gated_config(config: LinearConfig | None) -> LinearConfig | None:
     apart). A gated program streams a gate and an up tile of half the rule's rows each, so the
     programs and their bytes stay those the rule measured. `benchmarks/probes/gemv_silu.py`
     times the alternatives: the tiles it preferred on an H100 (6 loop stages for bf16, four K
-    steps where K <= 1024) were slower on an H200 end to end (RESULTS.md, 2026-11-27)."""
+    steps where K <= 1024) were slower on an H200 end to end (benchmarks/results/2026-11-27.md)."""
     if config is None or config.kernel != "fma":
         return None
     return replace(config, block_n=max(1, config.block_n // 2))

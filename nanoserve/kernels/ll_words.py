@@ -23,7 +23,7 @@ def _ll_push_row(y, N, dst_addrs, epoch_ptr, rank, dtype: tl.constexpr, BLOCK_N:
     The count is that of the LL call that sums this row: program 0's next (`_next_call`);
     the previous fused call has completed (PDL), and the coming one counts only after this
     kernel has. Why here: the words leave as each program finishes instead of after the
-    whole matmul, and the sum's kernel only waits (measured in RESULTS.md, eleventh round)."""
+    whole matmul, and the sum's kernel only waits (measured in benchmarks/results/2026-11-21.md, series 11)."""
     tag = (tl.load(epoch_ptr) + 1) << 32
     bits = y.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     lo, hi = tl.split(tl.reshape(bits, [BLOCK_N // 2, 2]))

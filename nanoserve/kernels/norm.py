@@ -4,7 +4,7 @@ product needs no sum kernel of its own, or gathers its rows from an embedding ta
 (`embed_rms_norm`: a decode graph's first kernel, which also reads the input ids still being
 sampled from the engine's token pool). It replaces the pool's index_select before the graph
 and the embedding's own lookup, which took 6-7 us with their gaps per batch-1 decode step on
-an H200 (2026-11-27, RESULTS.md).
+an H200 (benchmarks/results/2026-11-27.md).
 
 As fast as the torch.compile'd reference (1.46 vs 1.45 us per call at hidden 1024, 1.92 vs
 2.16 at 4096 on an H200) and, unlike it, lets the next matmul launch early under PDL.

@@ -23,7 +23,7 @@ How, in one launch (`_sample_kernel`, a 2-D grid of rows x vocabulary chunks):
    Optionally the token is also stored into a token pool at the row's index there (the
    engine's next step reads it from the pool), so no copy kernel follows.
 One launch instead of a stats kernel and a draw kernel: a batch-1 decode step waited for
-each launch and gap between the LM head and the next step (H200, 2026-11-27, RESULTS.md).
+each launch and gap between the LM head and the next step (H200, benchmarks/results/2026-11-27.md).
 The tickets are a per-device int32 buffer of zeros that each row's last program resets, so
 calls on one device must not run concurrently (the engine samples on one stream).
 
