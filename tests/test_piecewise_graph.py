@@ -136,6 +136,8 @@ def reference_hidden(model, input_ids: torch.Tensor, lengths: list[int]) -> torc
 @torch.inference_mode()
 def test_piece_chained_forward_equals_reference(tiny_llm):
     runner = tiny_llm.engine.runner
+    if runner.model.config.model_type in ("gemma3_text", "gpt_oss"):
+        pytest.skip("reference_hidden writes out the Llama/Qwen block; Gemma 3 and gpt-oss meet transformers instead")
     lengths = [1, 7, 30]
     inputs = runner.prepare(make_batch(lengths, [0, 0, 0], runner.page_size, seed=1), [0, 1, 2])
     runner.backend.prepare(inputs.meta)

@@ -73,7 +73,7 @@ def piecewise_sizes(max_tokens: int) -> list[int]:
 # to win by 3%), llama-3.1-8b servers kept graphs up to 416, 960 or 1536 tokens depending on
 # the run, and the one at 416 ran the mixed policy's 512-768-token steps eagerly: at 24 req/s
 # 4.5% of requests met (TTFT 500 ms, TPOT 25 ms) against 100% where they replayed
-# (2026-11-27, RESULTS.md). With 1.05 each of the seven servers started since (two H200s)
+# (benchmarks/results/2026-11-27.md). With 1.05 each of the seven servers started since (two H200s)
 # kept every size.
 KEEP_WITHIN = 1.05
 
@@ -169,7 +169,7 @@ class PiecewiseGraphs:
         q, k, v, attn_out = (t[:num_tokens] for t in (self.q, self.k, self.v, self.attn_out))
         for i in range(self.model.num_pieces - 1):
             self._run_piece(i, n)
-            attn_out.copy_(batch.attend(i, q, k, v, self.model.attention_scale(i)))
+            attn_out.copy_(batch.attend(i, q, k, v, self.model.attention_scale(i), **self.model.attention_kind(i)))
         self._run_piece(self.model.num_pieces - 1, n)
         return self.hidden[:num_tokens]
 
