@@ -1,6 +1,7 @@
 """The one engine configuration, built once from `LLM(...)` keyword arguments or CLI flags.
 
-Owns: `EngineConfig` (frozen; every field validated on construction), the CLI flags that
+Owns: `EngineConfig` (frozen; every field validated on construction), `SpeculativeConfig` (the
+speculative-decoding part of it, named as in SGLang and vLLM), the CLI flags that
 set it (`add_engine_args` / `engine_config_from_args`), and the resolution of "auto"
 choices (device, dtype, KV cache dtype). Limits that depend on the machine (KV pages from free memory)
 are derived in one place, `nanoserve.engine.model_runner.plan_kv_capacity`.
@@ -29,7 +30,7 @@ SCHEDULE_POLICIES = ("prefill-first", "mixed")
 # mixed by default: on two H200s (dummy llama-3.1-8b, 1024 in / 256 out) it kept 90% of
 # requests within 500 ms to the first token and 25 ms per token up to 30 req/s against
 # prefill-first's 28, with an inter-token p99 at 32 req/s of 33 ms against 225-287 ms
-# (benchmarks/RESULTS.md 2026-11-27, 16:05-16:50).
+# (benchmarks/results/2026-11-27.md, 16:05-16:50).
 DEFAULT_SCHEDULE_POLICY = "mixed"
 # The mixed policy's budget (max_num_batched_tokens) while requests decode: every token of a
 # step delays their next token, so its default depends on whether anyone reads tokens as
@@ -39,7 +40,7 @@ DEFAULT_SCHEDULE_POLICY = "mixed"
 #   that a step stays short (on an H200, dummy llama-3.1-8b at 16 and 32 req/s, ITL p99: 16.8
 #   and 21.0 ms at 512, 23.9 and 30.0 ms at 768, 53.8 and 64.8 ms at 1024 (a run with kernels
 #   still compiling mid-run, before 72cd501); goodput 24 req/s at 512 and 768,
-#   benchmarks/RESULTS.md 2026-11-26);
+#   benchmarks/results/2026-11-26.md);
 # - the offline `LLM` and `nanoserve generate` (`EngineConfig.for_offline`): the prefill
 #   budget, chunked_prefill_size. Their caller waits for every request to end, so only the
 #   total time counts, and small steps only add steps (qwen3-0.6b offline on an H200: 1,380
@@ -48,6 +49,58 @@ DEFAULT_SCHEDULE_POLICY = "mixed"
 # while prompts queue (up to MIXED_GROWTH times) and during a burst (to chunked_prefill_size): see
 # BURST_START_SHARE in nanoserve/scheduler/scheduler.py.
 MIXED_STEP_TOKENS = 512
+TASKS = ("generate", "embed")
+
+
+# ---- speculative decoding (nanoserve/engine/speculative): its settings, checked here ----------------
+
+ALGORITHMS = ("ngram", "draft", "eagle3")
+MAX_DRAFT_TOKENS = 16
+# Draft tokens per step when not given. n-gram drafts cost only the verify step's extra
+# positions (no draft forward), and copied text is accepted in long runs: propose more.
+DEFAULT_DRAFT_TOKENS = {"ngram": 12, "draft": 4, "eagle3": 4}
+# Above this many running requests a step does not speculate: a large batch is already
+# bound by compute more than by the weights read, so verifying drafts costs more than it saves
+# (vLLM's speculative_disable_by_batch_size).
+DEFAULT_DISABLE_BATCH_SIZE = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    algorithm: str
+    num_draft_tokens: int | None = None  # None: DEFAULT_DRAFT_TOKENS[algorithm]
+    draft_model: str | None = None  # draft and eagle3: a path or a bundled alias
+    ngram_min_match: int = 1  # shortest suffix of a request's tokens looked up
+    ngram_max_match: int = 4  # longest; the longest that matches wins
+    ngram_store_tokens: int = 1 << 20  # other requests' outputs kept for look-ups (0: off)
+    disable_batch_size: int = DEFAULT_DISABLE_BATCH_SIZE
+    cost_gate: bool = True  # see nanoserve.engine.speculative.step: pause while verifying costs more than it yields
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        k = self.num_draft_tokens
+        if k is not None and (not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS):
+            raise ValueError(f"speculative_num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
+        needs_model = self.algorithm in ("draft", "eagle3")
+        if needs_model and not self.draft_model:
+            raise ValueError(f"speculative_algorithm={self.algorithm!r} needs speculative_draft_model")
+        if not needs_model and self.draft_model:
+            raise ValueError("speculative_draft_model is only used by the draft and eagle3 algorithms")
+        if not 1 <= self.ngram_min_match <= self.ngram_max_match:
+            raise ValueError(
+                "speculative n-gram match lengths need 1 <= min <= max, got "
+                f"min={self.ngram_min_match!r}, max={self.ngram_max_match!r}"
+            )
+        if self.ngram_store_tokens < 0:
+            raise ValueError(f"speculative_ngram_store_tokens must be >= 0, got {self.ngram_store_tokens!r}")
+        if self.disable_batch_size < 1:
+            raise ValueError(f"speculative_disable_batch_size must be >= 1, got {self.disable_batch_size!r}")
+
+    @property
+    def k(self) -> int:
+        """Draft tokens proposed per request and step (at most)."""
+        return self.num_draft_tokens if self.num_draft_tokens is not None else DEFAULT_DRAFT_TOKENS[self.algorithm]
 
 
 @dataclass(frozen=True)
@@ -94,9 +147,22 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of node 0's rendezvous (default: a free local port)
     dist_timeout_s: float = 300.0  # a collective waiting longer than this on a peer fails
+    # Speculative decoding (nanoserve/engine/speculative): None (off), ngram, draft or eagle3; draft
+    # tokens per step (default per algorithm); the draft model (draft, eagle3); the n-gram
+    # look-up's suffix lengths; no speculation above this many running requests.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_draft_model: str | None = None
+    speculative_ngram_min_match: int = 1
+    speculative_ngram_max_match: int = 4
+    speculative_disable_batch_size: int = DEFAULT_DISABLE_BATCH_SIZE
+    speculative_cost_gate: bool = True  # pause speculation while a verify step costs more than it yields
     # The fast paths' switches (nanoserve/switches.py), read from NANOSERVE_* variables once
     # when the config is built; tests and benchmarks may pass their own.
     switches: KernelSwitches = field(default_factory=KernelSwitches.from_env)
+    # "generate", or "embed": every request is one prefill whose last token's final hidden
+    # state, L2-normalized, is its result (nanoserve/engine/pooling.py).
+    task: str = "generate"
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -153,6 +219,43 @@ class EngineConfig:
             "must be host:port",
         )
         need(self.dist_timeout_s > 0, "dist_timeout_s", "must be > 0")
+        need(
+            self.speculative_algorithm is not None
+            or (self.speculative_num_draft_tokens is None and self.speculative_draft_model is None),
+            "speculative_algorithm",
+            "must be set when speculative_num_draft_tokens or speculative_draft_model is",
+        )
+        self.speculative_config()  # checks the speculative settings
+        need(self.task in TASKS, "task", f"must be one of {TASKS}")
+        need(
+            self.task == "generate" or self.speculative_algorithm is None,
+            "task",
+            "embed cannot be combined with speculative decoding (an embedding request never decodes)",
+        )
+        if self.task == "embed":
+            # Embedding requests never decode and keep no KV after their prefill: no prefix
+            # cache, no decode graphs or cascade, and nothing to overlap (no sampled token).
+            for name, value in (
+                ("enable_prefix_caching", False),
+                ("cuda_graph_max_bs", 0),
+                ("cascade_attention", False),
+                ("overlap_schedule", False),
+            ):
+                object.__setattr__(self, name, value)
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The speculative-decoding settings, None when it is off."""
+        if self.speculative_algorithm is None:
+            return None
+        return SpeculativeConfig(
+            algorithm=self.speculative_algorithm,
+            num_draft_tokens=self.speculative_num_draft_tokens,
+            draft_model=self.speculative_draft_model,
+            ngram_min_match=self.speculative_ngram_min_match,
+            ngram_max_match=self.speculative_ngram_max_match,
+            disable_batch_size=self.speculative_disable_batch_size,
+            cost_gate=self.speculative_cost_gate,
+        )
 
     @staticmethod
     def create(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
@@ -238,11 +341,34 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-piecewise-graphs", action="store_true", help="prefill/extend batches always run eagerly")
     g.add_argument("--no-cascade", action="store_true", help="decode reads shared prefixes once per request")
     g.add_argument("--no-overlap", action="store_true", help="simple loop: process each step's results before the next")
+    g.add_argument(
+        "--task",
+        default="generate",
+        choices=TASKS,
+        help="embed: serve the decoder as an embedding model (/v1/embeddings: last-token pooling, normalized)",
+    )
     g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     g.add_argument("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks span")
     g.add_argument("--node-rank", type=int, default=0, help="this host's index; node 0 runs the engine")
     g.add_argument("--dist-init-addr", default=None, help="host:port of node 0 for the rendezvous")
     g.add_argument("--dist-timeout", type=float, default=300.0, help="seconds a collective may wait for a peer")
+    s = parser.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-algorithm", default=None, choices=list(ALGORITHMS), help="off when not given")
+    s.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="draft tokens per step (1-16)")
+    s.add_argument("--speculative-draft-model", default=None, help="draft / eagle3: the draft model's path")
+    s.add_argument("--speculative-ngram-min-match", type=int, default=1, help="ngram: shortest suffix looked up")
+    s.add_argument("--speculative-ngram-max-match", type=int, default=4, help="ngram: longest suffix looked up")
+    s.add_argument(
+        "--speculative-disable-batch-size",
+        type=int,
+        default=DEFAULT_DISABLE_BATCH_SIZE,
+        help="no speculation in steps with more running requests than this",
+    )
+    s.add_argument(
+        "--no-speculative-cost-gate",
+        action="store_true",
+        help="speculate whenever a draft exists, even while verify steps cost more than they yield",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -276,4 +402,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         node_rank=args.node_rank,
         dist_init_addr=args.dist_init_addr,
         dist_timeout_s=args.dist_timeout,
+        speculative_algorithm=getattr(args, "speculative_algorithm", None),
+        speculative_num_draft_tokens=getattr(args, "speculative_num_draft_tokens", None),
+        speculative_draft_model=getattr(args, "speculative_draft_model", None),
+        speculative_ngram_min_match=getattr(args, "speculative_ngram_min_match", 1),
+        speculative_ngram_max_match=getattr(args, "speculative_ngram_max_match", 4),
+        speculative_disable_batch_size=getattr(args, "speculative_disable_batch_size", DEFAULT_DISABLE_BATCH_SIZE),
+        speculative_cost_gate=not getattr(args, "no_speculative_cost_gate", False),
+        task=getattr(args, "task", "generate"),
     )

@@ -67,6 +67,18 @@ class SampleDetokenizer:
         self._shown = visible
         return delta
 
+    def feed(self, token_ids: list[int]) -> tuple[str, int]:
+        """`append` one token at a time, stopping at the token that completes a stop string:
+        the visible text and how many of `token_ids` the sample keeps (a step that emitted
+        several tokens, as a speculative one does, is cut exactly where one token at a time
+        would have been)."""
+        parts = []
+        for kept, token in enumerate(token_ids, start=1):
+            parts.append(self.append([token]))
+            if self.stopped:
+                return "".join(parts), kept
+        return "".join(parts), len(token_ids)
+
     def flush(self) -> str:
         """The held-back text, when the sample has ended."""
         delta = self.text[self._shown :]

@@ -18,7 +18,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.detokenizer import SampleDetokenizer
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.models.registry import DEFAULT_MODEL
-from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -76,6 +76,35 @@ class LLM:
         for spec in {p.structured_outputs.key(): p.structured_outputs for p in params if p.structured_outputs}.values():
             self.engine.grammar_service().compile(spec)  # a bad schema raises GrammarError (a ValueError) here
         return self._run(encoded, params, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embeddings of `prompts` (an LLM made with task="embed"): each the last token's final
+        hidden state, L2-normalized (nanoserve.engine.pooling), in input order. The prompts
+        run as prefill batches; no KV is kept after them."""
+        if self.engine.pooling is None:
+            raise ValueError('embed() needs an embedding model: LLM(model, task="embed")')
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        encoded = [self._encode(p)[1] for p in prompts]
+        for ids in encoded:
+            self.engine.validate_prompt(ids)
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        order = [str(next(self._ids)) for _ in encoded]
+        for rid, ids in zip(order, encoded):
+            self.engine.add_request(rid, ids, params, stream=False)
+        vectors: dict[str, list[float]] = {}
+        bar = tqdm(total=len(order), desc="embedding", disable=not use_tqdm)
+        try:
+            while len(vectors) < len(order):
+                for up in self.engine.step():
+                    vectors[up.request_id] = up.embedding
+                    bar.update(1)
+        except BaseException:
+            self._abort_all(order)
+            raise
+        finally:
+            bar.close()
+        return [EmbeddingRequestOutput(rid, ids, EmbeddingOutput(vectors[rid])) for rid, ids in zip(order, encoded)]
 
     def chat(
         self,
@@ -137,12 +166,14 @@ class LLM:
                     out.num_cached_tokens = up.num_cached_tokens
                     if sample.finish_reason is not None:
                         continue  # stopped by a stop string; its abort echo is dropped
-                    sample.token_ids.extend(up.new_token_ids)
-                    if up.new_logprobs is not None:
-                        sample.logprobs = (sample.logprobs or []) + up.new_logprobs
                     detok = detoks[(up.request_id, up.index)]
+                    kept = len(up.new_token_ids)
                     if detok is not None:
-                        detok.append(up.new_token_ids)
+                        kept = detok.feed(up.new_token_ids)[1]  # cut at a stop string's last token
+                    sample.token_ids.extend(up.new_token_ids[:kept])
+                    if up.new_logprobs is not None:
+                        sample.logprobs = (sample.logprobs or []) + up.new_logprobs[:kept]
+                    if detok is not None:
                         if detok.stopped:
                             sample.finish_reason, sample.stop_reason = "stop", detok.stop_reason
                             self.engine.abort_request(up.request_id, up.index)
@@ -157,10 +188,7 @@ class LLM:
                         remaining -= 1
                         bar.update(1)
         except BaseException:
-            for rid in order:  # leave nothing behind in the engine if interrupted
-                self.engine.abort_request(rid)
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
+            self._abort_all(order)
             raise
         finally:
             bar.close()
@@ -171,5 +199,24 @@ class LLM:
             out.finished = True
         return [results[rid] for rid in order]
 
+    def _abort_all(self, request_ids: list[str]) -> None:
+        """Leave nothing of these requests behind in the engine (the caller was interrupted)."""
+        for rid in request_ids:
+            self.engine.abort_request(rid)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def get_metrics(self) -> dict[str, object]:
+        """The engine's counters under vLLM's metric names (speculative decoding's
+        `vllm:spec_decode_*` among them), as /metrics exports them."""
+        s = self.engine.stats()
+        held = s["kv_pages_total"] - s["kv_pages_free"] - s["kv_pages_cached"]
+        return {
+            "vllm:num_requests_running": s["requests_running"],
+            "vllm:num_requests_waiting": s["requests_waiting"],
+            "vllm:kv_cache_usage_perc": held / s["kv_pages_total"] if s["kv_pages_total"] else 0.0,
+            **{name: value for name, value in s.items() if name.startswith("vllm:")},
+        }

@@ -29,6 +29,9 @@ class StepUpdate:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int = 0
+    # An embedding model's request (`--task embed`): its pooled, L2-normalized vector, on the
+    # one update that finishes it (nanoserve.engine.pooling).
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -57,3 +60,18 @@ class RequestOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # L2-normalized, of the model's hidden size
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one prompt (vLLM's shape: `.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

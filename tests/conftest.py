@@ -38,18 +38,14 @@ else:
 # --api-key tests.test_server_e2e.KEY): the openai SDK, and httpx for raw requests.
 @pytest.fixture(scope="module")
 def client(server):
-    import openai
+    from tests.test_server_e2e import sdk_client
 
-    from tests.test_server_e2e import KEY
-
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    return sdk_client(server.url)
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    import httpx
+    from tests.test_server_e2e import http_client
 
-    from tests.test_server_e2e import KEY
-
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+    with http_client(server.url) as c:
         yield c

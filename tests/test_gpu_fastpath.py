@@ -66,7 +66,7 @@ def run(llm: LLM, prompts, new=NEW):
 # Equal tokens alone would miss a wrong decode step that keeps the argmax, so runs must also
 # agree on the top-5 logprobs up to their first divergence: a bug moves logits by their
 # spread (about 8 with today's dummy weights, tests/test_dummy_weights.py). The bounds below
-# were measured on an H200 on 2026-11-21 (RESULTS.md) with the earlier dummy weights, whose
+# were measured on an H200 on 2026-11-21 (benchmarks/results/2026-11-21.md) with the earlier dummy weights, whose
 # greedy outputs repeated one token after their first at wide margins, logits near 85 (bf16
 # steps of 0.5): the same kernels (graphs vs eager, any padding) bit-equal; across kernels
 # (either cache) 3.0 at most; an fp8 cache against the bf16 one 4.0. Since 2026-11-25 the

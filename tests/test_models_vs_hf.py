@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from tests.tiny import TINY_CONFIGS, hf_greedy, make_tiny_model, random_prompts
+from tests.tiny import TINY_CONFIGS, WINDOWED, hf_greedy, make_tiny_gemma3_multimodal, make_tiny_model, random_prompts
 
 NEW_TOKENS = 64
 PROMPTS = random_prompts(8, seed=1)
@@ -50,6 +50,30 @@ def test_sharded_checkpoint_was_really_sharded(tiny_models):
     path, _ = tiny_models["llama"]
     assert (path / "model.safetensors.index.json").is_file()
     assert len(list(path.glob("*.safetensors"))) > 1
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_windowed_second_pass_hits_the_prefix_cache(tiny_models, arch):
+    """Sliding-window models with the prefix cache on: a second pass over the same prompts
+    reuses their cached KV (windows then start inside cached pages) and still gives
+    transformers' tokens; chunked prefill makes extends whose windows reach into the prefix."""
+    path, reference = tiny_models[arch]
+    llm = LLM(str(path), device="cpu", chunked_prefill_size=16, page_size=4)
+    for attempt in range(2):
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference, f"pass {attempt}"
+        cached = [o.num_cached_tokens for o in outs]
+        assert (sum(cached) > 0) == (attempt == 1), cached
+    assert_idle(llm)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text_part(tmp_path):
+    """A `gemma3` checkpoint (vision tower and all): nanoserve loads its text decoder only, and
+    greedy tokens on text prompts are those of transformers' multimodal model."""
+    path = make_tiny_gemma3_multimodal(tmp_path / "gemma3-mm")
+    prompts, params = PROMPTS[:3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens, _ = run_engine(path, prompts, params)
+    assert tokens == hf_greedy(path, prompts, 16)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama3-rope"])

@@ -44,7 +44,10 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed.tp_runner import agree_kv_plan, init_tensor_parallel, wrap_runner
 from nanoserve.engine.compile_watch import log_compiles
 from nanoserve.engine.model_runner import ModelRunner, plan_kv_capacity
+from nanoserve.engine.pooling import LastTokenPooling
 from nanoserve.engine.sampler import Sampler, SampleRow
+from nanoserve.engine.speculative.proposer import DraftContext
+from nanoserve.engine.speculative.step import Speculator, make_proposer
 from nanoserve.kvcache.pool import PageAllocator, PageTable
 from nanoserve.kvcache.radix import RadixCache
 from nanoserve.models.decoder import kv_heads_per_rank
@@ -99,10 +102,17 @@ class LLMEngine:
             quantization=config.quantization,
         )
         self.kv_dtype = config.torch_kv_dtype(self.dtype)
-        plan = agree_kv_plan(
-            plan_kv_capacity(config, cfg, kv_heads_per_rank(cfg, model.tp), self.kv_dtype, self.device), tp
-        )
+        # A draft model loads before the KV plan, which gives its KV a share of the same pages.
+        spec = config.speculative_config()
+        proposer = None
+        if spec is not None:
+            context = DraftContext(config, source, self.tokenizer, self.dtype, self.kv_dtype, self.device, wanted_len)
+            proposer = make_proposer(spec, context)
+        kv_heads = kv_heads_per_rank(cfg, model.tp)
+        extra = proposer.kv_bytes_per_token if proposer is not None else 0
+        plan = agree_kv_plan(plan_kv_capacity(config, cfg, kv_heads, self.kv_dtype, self.device, extra), tp)
         self.runner = wrap_runner(ModelRunner(config, model, plan, self.device, self.kv_dtype), tp)
+        self.pooling = LastTokenPooling(model) if config.task == "embed" else None  # embedding model
         self.max_model_len = min(wanted_len, plan.num_tokens)
         self.model_config = cfg
         self.allocator = PageAllocator(plan.num_pages)
@@ -120,6 +130,10 @@ class LLMEngine:
         self.sampler = Sampler(
             self.device, config.seed, fused=config.switches.fused_sampler and self.device.type == "cuda"
         )
+        # Before the graphs are captured: a drafter may attach what the target's forward writes.
+        self.speculator = (
+            Speculator(spec, self, proposer, plan) if spec is not None else None
+        )  # nanoserve.engine.speculative
         self.runner.setup_cuda_graphs(self.max_model_len)
         # Overlap scheduling (CUDA by default; tests force it on CPU by setting the attribute).
         self.overlap = config.overlap_schedule and self.device.type == "cuda"
@@ -281,7 +295,7 @@ class LLMEngine:
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
-        if len(prompt_token_ids) >= self.max_model_len:
+        if len(prompt_token_ids) + (self.pooling is None) > self.max_model_len:  # embedding: no token after it
             raise ValueError(
                 f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is {self.max_model_len} "
                 "(the prompt and at least one generated token must fit)"
@@ -337,6 +351,14 @@ class LLMEngine:
                 # Only compiles are pending: wait for one a little rather than spin on them.
                 futures.wait([c[1].future for c in self._compiling], timeout=0.005, return_when=futures.FIRST_COMPLETED)
                 self._queue_compiled()
+        if self.speculator is not None and self.speculator.wants_step():
+            if self._inflight is not None:  # drafts need every token on the host
+                done, self._inflight = self._inflight, None
+                self._launch_sampling(done)
+                updates += self._process(done)
+            verified = self.speculator.step()
+            if verified is not None:
+                return self._end_step(updates + verified, started)
         batch = self.scheduler.schedule()
         inputs = self._prepare(batch) if batch is not None else None
         if self._inflight is not None:
@@ -345,7 +367,10 @@ class LLMEngine:
         sampling_later = False  # this step's sampling waits for its masks (next call launches it)
         if batch is not None:
             launched, logits = self._forward(batch, inputs)
-            if launched.constrained and self.overlap:
+            if self.pooling is not None:  # an embedding model: the rows are vectors, their requests end now
+                updates += self.pooling.finish(self, launched.reqs, logits)
+                launched = None
+            elif launched.constrained and self.overlap:
                 # The masks need the tokens of the step in flight: process it now, while the
                 # device runs this step's forward (requests finishing meanwhile are deferred
                 # to `launched`, as in the plain overlap loop).
@@ -366,6 +391,9 @@ class LLMEngine:
             done = launched
         if done is not None:
             updates += self._process(done)
+        return self._end_step(updates, started)
+
+    def _end_step(self, updates: list[StepUpdate], started: float) -> list[StepUpdate]:
         updates += self._pending_updates  # aborts/finishes noticed while processing
         self._pending_updates = []
         self.step_s += time.perf_counter() - started
@@ -679,6 +707,8 @@ class LLMEngine:
             "page_size": sched.page_size,
             "requests_running": len(sched.running),
             "requests_waiting": len(sched.waiting),
+            "request_slots_free": len(sched.free_slots),  # all of max_num_seqs once idle (no slot leaked)
+            "request_slots_total": sched.max_num_seqs,
             "num_preemptions": sched.num_preemptions,
             "max_model_len": self.max_model_len,
             "prefix_caching": cache is not None,
@@ -688,6 +718,7 @@ class LLMEngine:
             "prefill_tokens_computed": sched.num_prefill_tokens,
             # decode steps that read shared prefixes once per group (nanoserve.attention.cascade)
             "cascade_decode_steps": getattr(self.runner, "num_cascade_steps", 0),
+            **(self.speculator.counters.as_metrics() if self.speculator is not None else {}),
         }
 
     def shutdown(self) -> None:

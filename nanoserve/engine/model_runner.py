@@ -36,11 +36,18 @@ CPU_MAX_DEFAULT_TOKENS = 262_144
 
 
 def plan_kv_capacity(
-    config: EngineConfig, model_cfg: ModelConfig, kv_heads: int, dtype: torch.dtype, device: torch.device
+    config: EngineConfig,
+    model_cfg: ModelConfig,
+    kv_heads: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    extra_bytes_per_token: int = 0,
 ) -> KVPlan:
     """How many pages the KV cache gets: an explicit size if given, else on CUDA
-    `memory_fraction` of the memory free after the weights, on CPU 1 GiB."""
+    `memory_fraction` of the memory free after the weights, on CPU 1 GiB. A token's bytes
+    include `extra_bytes_per_token` (a speculative drafter's KV on the same pages)."""
     per_token = KVCache.bytes_per_token(model_cfg.num_layers, kv_heads, model_cfg.head_dim, dtype)
+    per_token += extra_bytes_per_token
     if config.kv_cache_tokens is not None:
         tokens = config.kv_cache_tokens
     elif config.kv_cache_gib is not None:
@@ -363,6 +370,8 @@ class ModelRunner:
         decides where set: under tensor parallelism every rank must run the same kernels and
         collectives, so the workers follow rank 0)."""
         self.backend.prepare(inputs.meta)
+        if self.model.feature_sink is not None:  # the slots the pieces store features at (EAGLE-3)
+            self.model.feature_sink.set_slots(inputs.meta.slot_mapping)
         pool = None if inputs.pool_index is None else (self.token_pool, inputs.pool_index)
         batch = ForwardBatch(inputs.meta, self.backend, self.kv_cache.k, self.kv_cache.v, pool)
         piecewise = self.uses_piecewise(inputs) if inputs.piecewise is None else inputs.piecewise

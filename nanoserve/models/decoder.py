@@ -1,7 +1,10 @@
 """One decoder for the Llama family (Llama 2/3/3.1, SmolLM2, dense Mistral), Qwen2 (bias
 on q/k/v) and Qwen3 (per-head RMSNorm on q and k), and their mixture-of-experts kin
 (Mixtral, Qwen2-MoE, Qwen3-MoE), whose sparse layers take the MLP block of
-nanoserve/models/moe.py where `ModelConfig.is_moe_layer` says so.
+nanoserve/models/moe.py where `ModelConfig.is_moe_layer` says so; Gemma 3's layers (extra
+norms around attention and MLP) are nanoserve/models/gemma3.py's, gpt-oss's expert block
+nanoserve/models/gpt_oss.py's. Each layer's attention kind (a sliding window, its rope,
+gpt-oss's sinks) comes from `ModelConfig.window_of` / `local_rope` / `attention_sinks`.
 
 Owns: the `DecoderLM` module tree and the map from Hugging Face parameter names to ours.
 Parameter names follow Hugging Face's, except that q/k/v are merged into `qkv_proj` and
@@ -35,6 +38,7 @@ from torch import nn
 from nanoserve.attention.base import ForwardBatch, KVSink
 from nanoserve.distributed import SINGLE, TPGroup
 from nanoserve.kernels import qkv_rope
+from nanoserve.kvcache.features import FeatureCache
 from nanoserve.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -46,6 +50,7 @@ from nanoserve.models.layers import (
     VocabParallelEmbedding,
     _SwitchedLayer,
     apply_switches,
+    gelu_tanh_and_mul,
 )
 from nanoserve.models.model_config import ModelConfig
 from nanoserve.models.moe import SparseMoE
@@ -87,11 +92,18 @@ class Attention(nn.Module):
             kv = [RowSlice(name, head * d, d) for name in ("k", "v")]
         q = RowSlice.split("q", cfg.num_heads * d, tp)
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, *kv], bias=cfg.qkv_bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=False, tp=tp, reduce_slot=0)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias, tp=tp, reduce_slot=0)
+        offset = cfg.norm_weight_offset
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
         self.head_dim = d
-        self.scale = d**-0.5
+        self.scale = cfg.attention_scale if cfg.attention_scale is not None else d**-0.5
+        self.window = cfg.window_of(layer_id)  # 0: full attention
+        self.sinks = None  # gpt-oss: this rank's heads' sink logits [Hq / N]
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads))
+            first = tp.rank * self.num_heads
+            self.sinks.weight_loader = lambda p, full, _: p.data.copy_(full[first : first + self.num_heads])
 
     def before_attention(
         self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_sink: KVSink | None = None
@@ -144,9 +156,14 @@ class MLP(_SwitchedLayer):
         parts = [RowSlice.split(name, cfg.intermediate_size, tp) for name in ("gate", "up")]
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, parts, bias=False)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False, tp=tp, reduce_slot=1)
+        if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"MLP activation {cfg.hidden_act!r} is not supported (silu, gelu_pytorch_tanh)")
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """This rank's partial sums of the MLP's output (see RowParallelLinear)."""
+        if self.gelu:  # Gemma: no fused GEMV epilogue for it, the compiled elementwise op on CUDA
+            return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x), switches=self.switches))
         return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
@@ -155,9 +172,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.tp = tp
         self.self_attn = Attention(cfg, layer_id, tp)
-        self.mlp = SparseMoE(cfg, tp) if cfg.is_moe_layer(layer_id) else MLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = _mlp_block(cfg, layer_id, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
+
+    # Whether `after_attention` returns a summed output (Gemma's closing norm sums it) rather
+    # than this rank's partial sums, which the next norm must sum over the group.
+    output_summed = False
+    sandwich_norms = False  # norms after attention and MLP too (ModelConfig.sandwich_norms)
 
     def before_attention(self, positions, hidden, residual, rotary, kv_sink: KVSink | None = None) -> AttentionInputs:
         """Input norm (adding the previous layer's output, partial sums under TP, to the
@@ -185,16 +207,35 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLM(nn.Module):
+    """`layer_class`: the family's decoder layer (Gemma 3's is nanoserve.models.gemma3's, which
+    `loader.build_model` passes; it must be given for a config with sandwich norms)."""
+
+    # Where the residual stream entering chosen layers is stored (EAGLE-3's target features,
+    # nanoserve.kvcache.features); None: nothing is written (the default).
+    feature_sink: FeatureCache | None = None
+
     def __init__(
-        self, cfg: ModelConfig, max_positions: int, tp: TPGroup = SINGLE, switches: KernelSwitches | None = None
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        tp: TPGroup = SINGLE,
+        switches: KernelSwitches | None = None,
+        layer_class: type[DecoderLayer] | None = None,
     ):
         super().__init__()
         self.config = cfg
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        layer_class = layer_class or DecoderLayer
+        if cfg.sandwich_norms != layer_class.sandwich_norms:
+            raise ValueError(f"{cfg.model_type} needs its own decoder layer class, not {layer_class.__name__}")
+        self.layers = nn.ModuleList(layer_class(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # Sliding layers' own rope (Gemma 3: another base), else they share the global one.
+        self.rotary_local = None
+        if cfg.local_rope is not None:
+            self.rotary_local = RotaryEmbedding(cfg.head_dim, max_positions, *cfg.local_rope)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -221,21 +262,44 @@ class DecoderLM(nn.Module):
         `residual` that entered it. Pieces 0..L-1 return layer i's AttentionInputs (with
         `kv_sink`, layer i's new K/V are already in its cache); piece L returns the hidden
         states [T, hidden] after the final norm."""
-        if i == 0 and token_pool is not None:
+        scale = self.config.embed_scale
+        if i == 0 and token_pool is not None and scale is None:
             first = self.layers[0]
             fused = first.input_layernorm.embed_start(input_ids, token_pool, self.embed_tokens)
             if fused is not None:  # the lookup and the input norm in one launch
-                return first.attention_inputs(positions, *fused, self.rotary, kv_sink)
+                return self._tap(0, first.attention_inputs(positions, *fused, self.rotary_of(0), kv_sink))
         if i == 0:
             hidden, residual = self.embed_tokens(input_ids, token_pool), None
+            if scale is not None:  # Gemma: the scale rounded to the weights' dtype, as Hugging Face does
+                hidden = hidden * torch.tensor(scale, dtype=torch.float32).to(hidden.dtype)
         else:
             hidden, residual = self.layers[i - 1].after_attention(attn_out, residual)
         if i == len(self.layers):
-            return self.norm(hidden, residual, reduce_over=self.tp)[0]
-        return self.layers[i].before_attention(positions, hidden, residual, self.rotary, kv_sink)
+            summed = self.layers[-1].output_summed
+            return self.norm(hidden, residual, reduce_over=SINGLE if summed else self.tp)[0]
+        return self._tap(i, self.layers[i].before_attention(positions, hidden, residual, self.rotary_of(i), kv_sink))
+
+    def rotary_of(self, i: int) -> RotaryEmbedding:
+        """Layer i's rotary embedding: the sliding layers' own where the model has one."""
+        if self.rotary_local is not None and self.layers[i].self_attn.window:
+            return self.rotary_local
+        return self.rotary
+
+    def _tap(self, i: int, inputs: AttentionInputs) -> AttentionInputs:
+        """Layer i's attention inputs, after storing the residual stream entering layer i
+        into the feature sink when one is attached (inside the piece: eager, piecewise-graph
+        and decode-graph forwards all write it)."""
+        if self.feature_sink is not None:
+            self.feature_sink.write(i, inputs.residual)
+        return inputs
 
     def attention_scale(self, i: int) -> float:
         return self.layers[i].self_attn.scale
+
+    def attention_kind(self, i: int) -> dict:
+        """Layer i's attention kind, as `ForwardBatch.attend` takes it (window, sinks)."""
+        attn = self.layers[i].self_attn
+        return {"window": attn.window, "sinks": attn.sinks}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every new token: the pieces
@@ -246,11 +310,15 @@ class DecoderLM(nn.Module):
             q, k, v, residual = self.piece(
                 i, positions, input_ids, attn_out, residual, batch.kv_sink(i), batch.token_pool
             )
-            attn_out = batch.attend(i, q, k, v, self.attention_scale(i), kv_stored=True)
+            attn_out = batch.attend(i, q, k, v, self.attention_scale(i), kv_stored=True, **self.attention_kind(i))
         return self.piece(len(self.layers), positions, input_ids, attn_out, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(hidden)
+        logits = self.lm_head.logits(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap:  # Gemma: c * tanh(logits / c), as Hugging Face computes it
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def checkpoint_target(self, hf_name: str) -> tuple[str, str | None] | None:
         """(our parameter name, shard id) for a Hugging Face checkpoint tensor name, or
@@ -261,7 +329,12 @@ class DecoderLM(nn.Module):
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
         if self.config.moe is not None:
-            target = moe_checkpoint_target(name)
+            if self.config.moe.clamped_swiglu is not None:
+                from nanoserve.models.gpt_oss import checkpoint_target as gpt_oss_target
+
+                target = gpt_oss_target(name)
+            else:
+                target = moe_checkpoint_target(name)
             if target is not None:
                 return target
         for src, dst, shard in (
@@ -274,3 +347,14 @@ class DecoderLM(nn.Module):
             if src in name:
                 return name.replace(src, dst), shard
         return name, None
+
+
+def _mlp_block(cfg: ModelConfig, layer_id: int, tp: TPGroup) -> nn.Module:
+    """Layer `layer_id`'s MLP: dense, the shared sparse block, or gpt-oss's."""
+    if not cfg.is_moe_layer(layer_id):
+        return MLP(cfg, tp)
+    if cfg.moe.clamped_swiglu is not None:
+        from nanoserve.models.gpt_oss import GptOssMoE
+
+        return GptOssMoE(cfg, tp)
+    return SparseMoE(cfg, tp)

@@ -62,6 +62,7 @@ class Request:
     # Grammar state of a constrained request (nanoserve.structured.GrammarMatcher): it has
     # accepted every output token already processed; dropped when the request finishes.
     matcher: object | None = None
+    num_preemptions: int = 0  # times its KV was given back (a drafter's KV of it is then stale too)
 
     @property
     def num_output_tokens(self) -> int:

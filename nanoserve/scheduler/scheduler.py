@@ -65,7 +65,7 @@ from nanoserve.scheduler.request import Request, Status
 
 # Mixed steps are kept short (`mixed_budget`) so that running requests' next tokens are not
 # held up long by prompt chunks; two cases let a step grow (dummy llama-3.1-8b on H200s,
-# 1024-token prompts, benchmarks/RESULTS.md 2026-11-26; each pair on one machine):
+# 1024-token prompts, benchmarks/results/2026-11-26.md; each pair on one machine):
 # - a queue: a step may hold as many tokens as would compute the waiting prompts in
 #   QUEUE_DRAIN_STEPS steps, up to MIXED_GROWTH times `mixed_budget`. At 28 req/s fixed
 #   512-token steps fell behind the arrivals (68% of requests within 500 ms to the first
@@ -248,6 +248,7 @@ class Scheduler:
             if victim.pages:
                 self._release(victim)
                 victim.num_computed = 0
+                victim.num_preemptions += 1
                 self.num_preemptions += 1
 
     def dequeue(self, req: Request) -> None:
@@ -270,6 +271,7 @@ class Scheduler:
         self.running.remove(req)
         self._release(req)
         req.num_computed = 0
+        req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -387,6 +389,21 @@ class Scheduler:
         # (measured on an H200: 2.4% less decode attention time on the offline workload).
         batch.sort(key=_by_context, reverse=True)
         return ScheduledBatch(batch, [1] * len(batch), True, self.page_table, len(batch))
+
+    def reserve_lookahead(self, req: Request, num_tokens: int) -> int:
+        """Pages for up to `num_tokens` positions past a decoding request's next one (the
+        drafts a speculative verify step computes), as far as free or cache-only pages allow:
+        nobody is preempted for a draft. Returns how many positions it has room for. The
+        pages stay the request's (rejected drafts' KV is overwritten by the tokens that
+        follow), so every invariant above holds as for any page `_grow` gives."""
+        base = req.num_computed + 1
+        need = pages_for(base + num_tokens, self.page_size) - len(req.pages)
+        if need > 0:
+            self._ensure_free_pages(need)
+            room = min(need, self.allocator.num_free)
+            if room:
+                self._grow(req, (len(req.pages) + room) * self.page_size)
+        return max(0, min(num_tokens, len(req.pages) * self.page_size - base))
 
     # ---- after the forward -------------------------------------------------------------
 

@@ -46,7 +46,7 @@ def fill_masks(matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list
     """Write matcher i's allowed next tokens into `bitmask[rows[i]]` (rows default: 0, 1, ...),
     on xgrammar's worker threads (one per core): a step of 64 constrained requests fills its
     masks in about the time of a few, where one at a time it took longer than the forward it
-    hides behind (RESULTS.md, 2026-11-25 structured outputs). The rows equal `fill_mask`'s,
+    hides behind (benchmarks/results/2026-11-25.md, structured outputs). The rows equal `fill_mask`'s,
     one matcher at a time."""
     global _batch
     if not matchers:
@@ -78,6 +78,7 @@ class GrammarMatcher:
         self.gate = gate
         self._matcher = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0
+        self._fed = 0  # tokens the xgrammar matcher itself accepted (the answer's)
         if gate is None:
             self.phase = _ANSWER
         else:
@@ -104,9 +105,21 @@ class GrammarMatcher:
         else:
             if not self._matcher.accept_token(token):
                 return False
+            self._fed += 1
             self.phase = _ANSWER
         self.num_accepted += 1
         return True
+
+    def checkpoint(self) -> tuple[str, int, int]:
+        """The state to come back to with `rollback` (speculative decoding walks drafts
+        through the grammar, then rolls them back before the accepted tokens are accepted)."""
+        return self.phase, self.num_accepted, self._fed
+
+    def rollback(self, mark: tuple[str, int, int]) -> None:
+        phase, num_accepted, fed = mark
+        if self._fed > fed:
+            self._matcher.rollback(self._fed - fed)
+        self.phase, self.num_accepted, self._fed = phase, num_accepted, fed
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (an int32 CPU tensor); only

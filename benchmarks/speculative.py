@@ -1,0 +1,281 @@
+"""Speculative decoding: what it gains on real text, what a verify step costs, and what it
+costs a throughput run.
+
+Sections (each on by its flag; all by default):
+- --real: the embedded SmolLM2-135M-Instruct (real weights), batch 1, greedy, 128 new tokens,
+  on two workloads of 32 chat prompts each: copy-heavy (edit or rewrite a given code or text
+  passage: the answer copies most of the prompt) and free writing. TPOT with speculation off
+  and with n-gram drafts, the mean acceptance length (tokens per verify step), and how many
+  outputs equal the speculation-off output token for token.
+  Targets (issue 46): n-gram TPOT >= 2.0x faster on copy-heavy, <= 3% slower on free writing.
+- --verify-cost: llama-3.1-8b (dummy weights): the forward of a plain decode step against a
+  verify step of K = 4 drafts (5 positions per request, the decode graph of 5x the rows) at
+  batch 1 and 32, context 512, and
+  the speedup that follows at acceptance lengths 2, 3 and 4 (acceptance length x decode step /
+  verify step; n-gram drafts cost no forward). Targets: verify <= 1.10x decode at batch 1,
+  <= 1.3x at batch 32.
+- --throughput: the offline workload (benchmarks/offline_throughput.py, 256 sequences) with
+  speculation on against off (qwen3-0.6b by default). Target: on >= 0.97x off.
+
+    python benchmarks/speculative.py [--real] [--verify-cost] [--throughput] [--model-throughput M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from offline_throughput import timed_run, warm_up, workload
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.engine.speculative.positions import position_batch
+
+NEW_TOKENS = 128
+
+_CODE = [
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n",
+    (
+        "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+        "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n"
+    ),
+    (
+        "def fizzbuzz(n):\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n            print('FizzBuzz')\n"
+        "        elif i % 3 == 0:\n            print('Fizz')\n        elif i % 5 == 0:\n            print('Buzz')\n"
+        "        else:\n            print(i)\n"
+    ),
+    (
+        "def read_lines(path):\n    with open(path) as f:\n        lines = f.readlines()\n"
+        "    return [line.strip() for line in lines if line.strip()]\n"
+    ),
+]
+_TEXT = [
+    (
+        "The city council met on Tuesday to discuss the new budget. Members agreed to increase funding for "
+        "public parks and libraries, while reducing spending on road repairs. The mayor said the changes "
+        "reflect what residents asked for during the spring survey."
+    ),
+    (
+        "Our store will be closed on Monday for the holiday. Regular hours resume on Tuesday at nine in the "
+        "morning. Online orders placed over the weekend will ship on Tuesday afternoon."
+    ),
+    (
+        "Photosynthesis is the process by which plants use sunlight, water and carbon dioxide to make glucose "
+        "and oxygen. It takes place mainly in the leaves, inside small structures called chloroplasts."
+    ),
+    (
+        "Dear team, thank you for your hard work this quarter. Sales grew by ten percent and customer "
+        "complaints fell by a third. Please join us on Friday for a small celebration in the main hall."
+    ),
+]
+_CODE_TASKS = [
+    "Rename every variable to a longer, clearer name and return the whole code.",
+    "Add type hints to this code and return the whole code.",
+    "Add a docstring to each function and return the whole code.",
+    "Repeat this code exactly, then explain it in one sentence.",
+]
+_TEXT_TASKS = [
+    "Fix any spelling mistakes and return the full text.",
+    "Rewrite this text in the past tense, keeping everything else the same.",
+    "Repeat the text exactly, replacing every 'the' with 'THE'.",
+    "Copy this text, then add one sentence at the end.",
+]
+_TOPICS = [
+    "a lighthouse keeper", "a robot learning to paint", "the first day of school", "a dragon who is afraid of fire",
+    "a trip to the mountains", "a lost cat finding its way home", "an old tree in a city park", "a chef's best dish",
+]  # fmt: skip
+_FORMS = ["Write a short story about", "Write a poem about", "Describe", "Write a diary entry about"]
+
+
+def copy_heavy_prompts() -> list[list[dict]]:
+    """32 chat prompts whose answers copy most of a given passage (16 code, 16 text)."""
+    out = []
+    for passages, tasks in ((_CODE, _CODE_TASKS), (_TEXT, _TEXT_TASKS)):
+        for p in passages:
+            for t in tasks:
+                out.append([{"role": "user", "content": f"{t}\n\n{p}"}])
+    return out
+
+
+def free_writing_prompts() -> list[list[dict]]:
+    """32 chat prompts with nothing to copy."""
+    return [[{"role": "user", "content": f"{form} {topic}."}] for form in _FORMS for topic in _TOPICS]
+
+
+def _release() -> None:
+    """Give a deleted engine's GPU memory back before the next one is built (each takes most of it)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def tpot_run(llm: LLM, conversations, params) -> tuple[float, list[list[int]]]:
+    """Mean TPOT (ms) over the conversations, each run alone (batch 1), and their tokens."""
+    engine = llm.engine
+    tok = llm.tokenizer
+    tpots, outputs = [], []
+    for i, conv in enumerate(conversations):
+        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        engine.add_request(f"r{i}", ids, params)
+        first = last = None
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for up in engine.step():
+                if up.new_token_ids:
+                    now = time.perf_counter()
+                    first = now if first is None else first
+                    last = now
+                    tokens += up.new_token_ids
+        if len(tokens) > 1:
+            tpots.append((last - first) * 1e3 / (len(tokens) - 1))
+        outputs.append(tokens)
+    return statistics.mean(tpots), outputs
+
+
+def section_real(args) -> None:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    workloads = {"copy-heavy": copy_heavy_prompts(), "free-writing": free_writing_prompts()}
+    results = {}
+    configs = {None: {}, "ngram": {"speculative_algorithm": "ngram"}}
+    if args.no_gate:
+        configs["ngram, no gate"] = {"speculative_algorithm": "ngram", "speculative_cost_gate": False}
+    for algo, extra in configs.items():
+        llm = LLM("smollm2-135m", kv_cache_gib=4, **extra)
+        warm = workloads["copy-heavy"][:2] + workloads["free-writing"][:2]
+        tpot_run(llm, warm, params)  # compile and capture before timing
+        if args.profile and algo == "ngram, no gate":
+            import cProfile
+            import pstats
+
+            with cProfile.Profile() as prof:
+                tpot_run(llm, workloads["copy-heavy"][:8], params)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        for name, convs in workloads.items():
+            before = dict(llm.stats())
+            tpot, outs = tpot_run(llm, convs, params)
+            after = llm.stats()
+            steps = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
+            accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
+                "vllm:spec_decode_num_accepted_tokens", 0
+            )
+            drafted = after.get("vllm:spec_decode_num_draft_tokens", 0) - before.get(
+                "vllm:spec_decode_num_draft_tokens", 0
+            )
+            results[(algo, name)] = (tpot, outs, steps, accepted, drafted)
+            spec = llm.engine.speculator
+            if spec is not None:
+                ms = [None if v is None else round(v * 1e3, 3) for v in (spec.plain_step_s, spec.verify_step_s)]
+                print(f"{algo} {name}: plain step {ms[0]} ms, verify step {ms[1]} ms, tokens {spec.tokens_per_verify}")
+        llm.engine.check_invariants()
+        del llm
+        _release()
+    for (algo, name), (tpot, outs, steps, accepted, drafted) in results.items():
+        if algo is None:
+            continue
+        base = results[(None, name)][0]
+        same = sum(a == b for a, b in zip(outs, results[(None, name)][1]))
+        acc_len = 1 + accepted / steps if steps else 1.0
+        print(
+            f"real smollm2-135m {name:13s}: TPOT off {base:.3f} ms, {algo} {tpot:.3f} ms -> {base / tpot:.2f}x; "
+            f"acceptance length {acc_len:.2f} over {steps} drafting steps ({accepted}/{drafted} drafts accepted); "
+            f"identical outputs {same}/{len(outs)}"
+        )
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _step(runner, sched, reqs, drafts: list[list[int]] | None) -> None:
+    """One forward as the engine runs it: a decode step (drafts None) or a verify step (each
+    request's last token and its drafts, a row per position: nanoserve.engine.speculative.positions)."""
+    drafts = drafts or [[] for _ in reqs]
+    tokens = [[r.token_ids[-1], *d] for r, d in zip(reqs, drafts)]
+    batch = position_batch(reqs, tokens, [r.num_computed for r in reqs], sched.page_table)
+    runner.execute(runner.prepare(batch, list(range(len(batch.requests)))))
+
+
+@torch.inference_mode()
+def section_verify_cost(args) -> None:
+    llm = LLM("llama-3.1-8b", load_format="dummy", max_model_len=4096, overlap_schedule=False)
+    engine = llm.engine
+    runner, sched = engine.runner, engine.scheduler
+    k, context = 4, 512
+    for bs in (1, 32):
+        for i in range(bs):
+            prompt = [(i * 131 + 7 * j) % 30000 for j in range(context)]
+            engine.add_request(f"v{bs}-{i}", prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+        while sched.waiting:  # the simple loop: nothing stays in flight
+            engine.step()
+        reqs = sorted(sched.running, key=lambda r: -r.num_computed)
+        for r in reqs:
+            assert sched.reserve_lookahead(r, k) == k
+        drafts = [[(r.token_ids[-1] + j + 1) % 30000 for j in range(k)] for r in reqs]
+        t_dec = _time(lambda reqs=reqs, run=runner, s=sched: _step(run, s, reqs, None), 50)
+        t_ver = _time(lambda reqs=reqs, d=drafts, run=runner, s=sched: _step(run, s, reqs, d), 50)
+        gains = ", ".join(f"{a}: {a * t_dec / t_ver:.2f}x" for a in (2, 3, 4))
+        print(
+            f"verify cost llama-3.1-8b batch {bs:2d}: decode step {t_dec:.3f} ms, K={k} verify step {t_ver:.3f} ms "
+            f"= {t_ver / t_dec:.3f}x; speedup at acceptance length {gains}"
+        )
+        for r in list(sched.running):
+            engine.abort_request(r.request_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.check_invariants()
+    del llm, engine, runner, sched
+    _release()
+
+
+def section_throughput(args) -> None:
+    prompts, max_tokens = workload()
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    rates = {}
+    for algo in (None, "ngram"):
+        extra = {"speculative_algorithm": algo} if algo else {}
+        llm = LLM(args.model_throughput, load_format="dummy", max_model_len=4096, **extra)
+        warm_up(llm, prompts)
+        _, elapsed = timed_run(llm, prompts, params)
+        rates[algo] = sum(max_tokens) / elapsed
+        spec = {k: v for k, v in llm.stats().items() if k.startswith("vllm:spec")}
+        print(f"throughput {args.model_throughput} speculation {algo or 'off'}: {rates[algo]:,.0f} output tok/s {spec}")
+        del llm
+        _release()
+    print(f"throughput ratio on/off: {rates['ngram'] / rates[None]:.3f} (target >= 0.97)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--real", action="store_true")
+    ap.add_argument("--verify-cost", action="store_true")
+    ap.add_argument("--throughput", action="store_true")
+    ap.add_argument("--model-throughput", default="qwen3-0.6b")
+    ap.add_argument("--no-gate", action="store_true", help="--real: also time n-gram drafts with the cost gate off")
+    ap.add_argument("--profile", action="store_true", help="--real --no-gate: cProfile the host side of 8 prompts")
+    args = ap.parse_args()
+    every = not (args.real or args.verify_cost or args.throughput)
+    if args.real or every:
+        section_real(args)
+    if args.verify_cost or every:
+        section_verify_cost(args)
+    if args.throughput or every:
+        section_throughput(args)
+
+
+if __name__ == "__main__":
+    main()
