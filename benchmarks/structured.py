@@ -10,16 +10,19 @@ once, then timed in --repeat rounds of every kind back to back:
   half:  every other request constrained, the rest free.
 `all` and `half` run twice: with the schema as above, and with `maxLength` on its two short
 strings, the case where xgrammar's mask fill is slowest (bounded repetition: 67 µs per fill
-on average against 8 µs without, single fills up to ~5 ms; RESULTS.md 2026-11-25).
+on average against 8 µs without, single fills up to ~5 ms; benchmarks/results/2026-11-25.md).
+`--passes N` makes each timed run N generate calls back to back (a longer run, less noise).
 Reported: output tokens actually generated per second (a constrained request may end
-early, once its JSON is complete), the median over rounds of the ratio to the same round's
-free run (with the rounds' range), host time filling masks per
-masked step, and grammar compile time for the schema, cold (a fresh compiler service, its
+early, once its JSON is complete), min / median / max over rounds of the rate and of the ratio
+to the same round's free run (each round's ratio listed too), the ratio to a free twin run
+right after each constrained run with the same output length per request (so the batch's
+uneven ending, which varies from round to round, is in both sides), host time filling masks
+per masked step, and grammar compile time for the schema, cold (a fresh compiler service, its
 tokenizer tables built first and timed apart) and cached.
 The grammar sees only the tokenizer's 49,152 ids; the model's other rows are masked off by
 the engine (before 2026-11-26 xgrammar paid for each of them: all ran at 33-37% of free).
 Targets (H200, qwen3-0.6b, 64 x 256): all >= 90% of free, half >= 95% of free. On an H200 at
-7d32b4e (benchmarks/RESULTS.md, 2026-11-26, --repeat 30 --no-max-length, two runs): free ~30.5k
+7d32b4e (benchmarks/results/2026-11-26.md, --repeat 30 --no-max-length, two runs): free ~30.5k
 tok/s, all 94.9% / 93.3%, half 96.1% / 96.1%; the rounds themselves spread from 53% to 149%,
 so quote medians of many rounds (with the maxLength strings, 7 rounds: 54-59% / 61-65%).
 
@@ -35,6 +38,7 @@ import copy
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -89,18 +93,46 @@ def params_for(kind: str, n: int, max_tokens: int, schema: dict = SCHEMA) -> lis
     return out
 
 
-def timed(llm: LLM, prompts, params) -> tuple[int, float, float, int]:
+@dataclass
+class Run:
+    tokens: int  # output tokens generated
+    elapsed: float  # seconds
+    mask_fill_s: float  # host time filling grammar masks
+    masked_steps: int
+    lengths: list[list[int]]  # per pass, output tokens of each request in prompt order
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.elapsed
+
+
+def same_lengths(run: Run) -> list[list[SamplingParams]]:
+    """Unconstrained requests that generate exactly `run`'s output lengths, pass by pass: the
+    free twin of a constrained round, so that the ratio to it holds the grammar's cost and not
+    the round's lengths (a constrained batch ends unevenly, and its last steps run few rows)."""
+    return [[SamplingParams(temperature=1.0, max_tokens=max(1, n), ignore_eos=True) for n in p] for p in run.lengths]
+
+
+def spread(values: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
+    """min / median / max of the rounds."""
+    lo, mid, hi = min(values) * scale, statistics.median(values) * scale, max(values) * scale
+    return f"{lo:{fmt}} / {mid:{fmt}} / {hi:{fmt}}"
+
+
+def timed(llm: LLM, prompts, passes: list[list[SamplingParams]]) -> Run:
+    """One timed run: the batch generated once per pass, back to back (more passes, a longer
+    run: a round of 64 x 256 lasts ~0.5 s on an H200, where any hiccup moves its rate)."""
     engine = llm.engine
     engine.mask_fill_s, engine.num_masked_steps = 0.0, 0
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = [llm.generate(prompts, params, use_tqdm=False) for params in passes]
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return tokens, elapsed, engine.mask_fill_s, engine.num_masked_steps
+    lengths = [[len(c.token_ids) for o in out for c in o.outputs] for out in outs]
+    return Run(sum(map(sum, lengths)), elapsed, engine.mask_fill_s, engine.num_masked_steps, lengths)
 
 
 def compile_times(llm: LLM) -> tuple[float, float, float]:
@@ -132,6 +164,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=5, help="rounds of every kind (medians are reported)")
+    ap.add_argument("--passes", type=int, default=1, help="generate calls per timed run, back to back")
     ap.add_argument("--no-max-length", action="store_true", help="skip the maxLength schema's runs (faster)")
     args = ap.parse_args()
 
@@ -160,25 +193,34 @@ def main() -> None:
         llm.generate(prompts[: min(8, args.num_seqs)], params[kind][:8], use_tqdm=False)  # warm-up of this kind
     # Rounds of every kind back to back: each ratio to free compares runs minutes apart at
     # most, so the machine's drift (the free run alone varies by 15% between calls) cancels.
-    results: dict[str, list[tuple[int, float, float, int]]] = {kind: [] for kind, _ in runs}
+    # Each constrained run is followed by its free twin of the same output lengths.
+    results: dict[str, list[Run]] = {kind: [] for kind, _ in runs}
+    twins: dict[str, list[Run]] = {kind: [] for kind, _ in runs if kind != "free"}
     for _ in range(args.repeat):
         for kind, _ in runs:
-            results[kind].append(timed(llm, prompts, params[kind]))
-    free_rates = [t / e for t, e, _, _ in results["free"]]
+            run = timed(llm, prompts, [params[kind]] * args.passes)
+            results[kind].append(run)
+            if kind != "free":
+                twins[kind].append(timed(llm, prompts, same_lengths(run)))
+    free_rates = [r.rate for r in results["free"]]
+    print(f"{args.repeat} rounds of {args.passes} pass(es); spreads are min / median / max over the rounds")
     for kind, _ in runs:
-        rates = [t / e for t, e, _, _ in results[kind]]
-        tokens = statistics.median(t for t, _, _, _ in results[kind])
-        line = f"{kind:15s}: {tokens:6.0f} output tokens, median {statistics.median(rates):9.1f} tok/s"
+        rates = [r.rate for r in results[kind]]
+        tokens = statistics.median(r.tokens for r in results[kind])
+        line = f"{kind:15s}: {tokens:6.0f} output tokens, {spread(rates)} tok/s"
         if kind != "free":
             ratios = [r / f for r, f in zip(rates, free_rates)]
             ratio = statistics.median(ratios)
             target = TARGETS[kind.split()[0]]
             ok = "met" if ratio >= target else "MISSED"
-            line += f" | {ratio * 100:5.1f}% of free (rounds {min(ratios) * 100:.1f}-{max(ratios) * 100:.1f}%;"
-            line += f" target {target * 100:.0f}%: {ok})"
-            fill_ms = statistics.median(f * 1e3 / max(n, 1) for _, _, f, n in results[kind])
+            line += f" | of free {spread(ratios, 100)}% (target {target * 100:.0f}% on the median: {ok})"
+            twin = [r.rate / t.rate for r, t in zip(results[kind], twins[kind])]
+            line += f" | of free with the same lengths {spread(twin, 100)}%"
+            fill_ms = statistics.median(r.mask_fill_s * 1e3 / max(r.masked_steps, 1) for r in results[kind])
             line += f" | mask fill {fill_ms:.3f} ms per masked step"
         print(line, flush=True)
+        if kind != "free":
+            print(f"{'':17s}rounds, % of free: " + " ".join(f"{r / f * 100:.1f}" for r, f in zip(rates, free_rates)))
     llm.engine.check_invariants()
 
 

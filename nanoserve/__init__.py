@@ -7,8 +7,15 @@ Offline use::
     print(llm.generate("The capital of France is", SamplingParams(temperature=0))[0].outputs[0].text)
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from nanoserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams, StructuredOutputs
+
+try:
+    __version__ = version("nanoserve")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 
 def __getattr__(name):

@@ -1,4 +1,5 @@
-"""Command line: `nanoserve generate`, plus `serve` and `chat` from the server package.
+"""Command line: `nanoserve generate`, plus `serve` and `chat` from the server package and
+`bench` from nanoserve.bench.
 
 Owns: argument parsing and the `generate` command (offline generation for a few prompts).
 """
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         register = None
     if register is not None:
         register(sub)
+    from nanoserve.bench import register as register_bench
+
+    register_bench(sub)
     return parser
 
 

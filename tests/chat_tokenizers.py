@@ -1,5 +1,6 @@
-"""Tokenizer directories for chat tests: SmolLM2's vocabulary with a Qwen-style or a
-Llama-3.1-style chat template (tests/data/*.jinja) and the marker tokens those families use.
+"""Tokenizer directories for chat tests: SmolLM2's vocabulary with a Qwen-style, a
+Llama-3.1-style or a gpt-oss-style (harmony) chat template (tests/data/*.jinja) and the
+marker tokens those families use.
 
 SmolLM2-135M has no `<think>` or `<tool_call>` tokens, so some of its rarely used special
 tokens (ids 3..10) are renamed to the markers, as single, non-special tokens (Qwen's are
@@ -23,8 +24,17 @@ _MARKERS = {
         9: ("<|eot_id|>", True),
         10: ("<|python_tag|>", True),
     },
+    "harmony": {
+        3: ("<|start|>", True),
+        4: ("<|channel|>", True),
+        5: ("<|message|>", True),
+        6: ("<|end|>", True),
+        7: ("<|call|>", True),
+        8: ("<|return|>", True),
+        9: ("<|constrain|>", True),
+    },
 }
-_TEMPLATES = {"qwen": "qwen_tools.jinja", "llama31": "llama31_tools.jinja"}
+_TEMPLATES = {"qwen": "qwen_tools.jinja", "llama31": "llama31_tools.jinja", "harmony": "harmony_tools.jinja"}
 
 # SmolLM2-135M's shape, only so that the directory resolves as a model (--tokenizer DIR).
 _CONFIG = {
@@ -45,7 +55,7 @@ _CONFIG = {
 
 
 def make_tokenizer_dir(root: Path, style: str) -> Path:
-    """Write SmolLM2's tokenizer with the `style` ("qwen" or "llama31") markers and template."""
+    """Write SmolLM2's tokenizer with the `style` ("qwen", "llama31" or "harmony") markers and template."""
     from nanoserve.models.registry import resolve_model
     from nanoserve.tokenizer import load_tokenizer
 

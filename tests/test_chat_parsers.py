@@ -58,16 +58,16 @@ def run(output, chunks: list[str]) -> ChoiceDelta:
     return whole
 
 
-def token_chunks(tokenizer, text: str) -> list[str]:
+def token_chunks(tokenizer, text: str, skip_special_tokens: bool = True) -> list[str]:
     """The text pieces the server streams for `text` generated token by token."""
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = SampleDetokenizer(tokenizer, [], SamplingParams())
+    detok = SampleDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=skip_special_tokens))
     chunks = [detok.append([t]) for t in ids] + [detok.flush()]
     assert "".join(chunks) == text
     return chunks
 
 
-def check_every_chunking(make_output, tokenizer, text: str) -> ChoiceDelta:
+def check_every_chunking(make_output, tokenizer, text: str, skip_special_tokens: bool = True) -> ChoiceDelta:
     """Parse `text` whole, token by token, and split in two and three at every position:
     all give the same thinking, content and calls."""
     expected = run(make_output(), [text])
@@ -76,7 +76,7 @@ def check_every_chunking(make_output, tokenizer, text: str) -> ChoiceDelta:
     def same(got: ChoiceDelta, how: str) -> None:
         assert (got.reasoning, got.content, [(c.name, c.arguments) for c in got.calls]) == key, how
 
-    same(run(make_output(), token_chunks(tokenizer, text)), "token by token")
+    same(run(make_output(), token_chunks(tokenizer, text, skip_special_tokens)), "token by token")
     for i in range(len(text) + 1):
         same(run(make_output(), [text[:i], text[i:]]), f"split at {i}")
     step = max(1, len(text) // 12)
@@ -176,6 +176,87 @@ def test_llama3_json_other_replies_are_content(llama, text):
     assert got.calls == [] and got.content == text
 
 
+# ------------------------------------------------------------------------------------------ mistral, pythonic
+
+
+@pytest.mark.parametrize("marker", ["[TOOL_CALLS]", ""])  # the marker is a special token, often gone
+def test_mistral_calls_with_or_without_the_marker(qwen, marker):
+    text = marker + '[{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "get_time", "arguments": {}}]'
+    got = check_every_chunking(outputs(qwen, "mistral"), qwen, text)
+    assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [
+        ("get_weather", {"city": "Rome"}),
+        ("get_time", {}),
+    ]
+    assert got.content == ""
+
+
+def test_mistral_text_before_the_marker_and_broken_calls(qwen):
+    text = 'Let me look. [TOOL_CALLS][{"name": "get_time", "arguments": {}}]'
+    got = check_every_chunking(outputs(qwen, "mistral"), qwen, text)
+    assert got.content == "Let me look." and [c.name for c in got.calls] == ["get_time"]
+    for text in ['[TOOL_CALLS][{"name": "get_time"', "[1, 2] are numbers", "Plain [TOOL answer"]:
+        got = check_every_chunking(outputs(qwen, "mistral"), qwen, text)
+        assert got.calls == [] and got.content == text
+
+
+def test_pythonic_calls(qwen):
+    text = '[get_weather(city="Rome", unit="c"), get_time()]'
+    got = check_every_chunking(outputs(qwen, "pythonic"), qwen, text)
+    assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [
+        ("get_weather", {"city": "Rome", "unit": "c"}),
+        ("get_time", {}),
+    ]
+    for text in ["[1, 2]", "[f(x)]", "[os.system('ls')]", "[f(a=g())]", "Rome is fine.", "[f(a=1)"]:
+        got = check_every_chunking(outputs(qwen, "pythonic"), qwen, text)
+        assert got.calls == [] and got.content == text
+
+
+def test_auto_picks_the_format_from_the_template(qwen, llama):
+    from nanoserve.server.tool_parsers import detect_format
+
+    assert ChatFeatures(qwen).tool_format.name == "hermes"  # --tool-call-parser auto is the default
+    assert ChatFeatures(llama).tool_format.name == "llama3_json"
+    assert ChatFeatures(qwen, ChatOptions(tool_call_parser="none")).tool_format is None
+    assert detect_format("{{ '[INST]' }}{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]")[0] == "mistral"
+    assert detect_format("[INST] {{ m }} [/INST]")[0] == "mistral"
+    assert detect_format("<|header_start|>{{ '<|python_start|>' }}")[0] == "pythonic"
+    assert detect_format("[func_name1(params_name1=params_value1)]")[0] == "pythonic"
+    assert detect_format("<|im_start|>{{ m }}<|im_end|>")[0] == "hermes"  # ChatML family
+    assert detect_format("<|start|>assistant<|channel|>final")[0] == "harmony"  # gpt-oss: nanoserve.server.harmony
+    assert detect_format(None)[0] is None and detect_format("{{ m }}")[0] is None
+    with pytest.raises(ValueError, match="unknown tool call parser"):
+        ChatOptions(tool_call_parser="nope")
+
+
+def test_mistral_grammar_and_pythonic_forced_calls_use_hermes(qwen):
+    import xgrammar as xgr
+
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(qwen, vocab_size=len(qwen)))
+
+    def admits(spec, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiler.compile_grammar(spec.grammar))
+        ok = all(matcher.accept_token(t) for t in qwen.encode(text, add_special_tokens=False))
+        return ok and matcher.accept_token(qwen.eos_token_id)
+
+    req = request(tools=[WEATHER, TIME], tool_choice="required")
+    mistral = ChatFeatures(qwen, ChatOptions(tool_call_parser="mistral"))
+    spec = mistral.constraint(req, mistral.prompt(req))
+    assert admits(
+        spec, '[{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "get_time", "arguments": {}}]'
+    )
+    assert not admits(spec, '{"name": "get_time", "arguments": {}}')
+    pythonic = ChatFeatures(qwen, ChatOptions(tool_call_parser="pythonic"))
+    spec = pythonic.constraint(req, pythonic.prompt(req))
+    assert admits(spec, '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    # Whitespace around a call is bounded, so a model cannot spin in it until max_tokens.
+    assert admits(spec, '<tool_call>\n {"name": "get_time", "arguments": {}}\n\n</tool_call>')
+    assert not admits(spec, '<tool_call>{"name": "get_time", "arguments": {}}' + " " * 5 + "</tool_call>")
+    reply = pythonic.output(req, pythonic.prompt(req))
+    got = reply.feed('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    got += reply.finish()
+    assert [c.name for c in got.calls] == ["get_time"]
+
+
 # ------------------------------------------------------------------------------------------ reasoning
 
 
@@ -256,8 +337,9 @@ def test_request_side_errors(qwen):
     with pytest.raises(p.RequestError) as info:
         features.prompt(request(chat_template_kwargs={"tools": []}))
     assert info.value.param == "chat_template_kwargs"
+    assert features.output(request(tools=[WEATHER]), "") is not None  # auto found hermes in the template
     with pytest.raises(p.RequestError) as info:  # tool_choice auto needs a parser
-        features.output(request(tools=[WEATHER]), "")
+        ChatFeatures(qwen, ChatOptions(tool_call_parser="none")).output(request(tools=[WEATHER]), "")
     assert info.value.param == "tool_choice"
     forced = request(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
     with pytest.raises(p.RequestError) as info:

@@ -126,17 +126,31 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def serving(*args: str):
+def serving(*args: str, model: str = MODEL):
     """`python -m nanoserve.server serve MODEL` on a free port with KEY and `args`, ready; killed
     on exit."""
     srv = ServerProcess(
-        [sys.executable, "-m", "nanoserve.server", "serve", MODEL, "--port", "0", "--api-key", KEY, *args]
+        [sys.executable, "-m", "nanoserve.server", "serve", model, "--port", "0", "--api-key", KEY, *args]
     )
     try:
         srv.wait_ready()
         yield srv
     finally:
         srv.kill()
+
+
+def sdk_client(url: str):
+    """The openai SDK on a test server (started with --api-key tests.test_server_e2e.KEY)."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def http_client(url: str):
+    """httpx on a test server, for raw requests (a context manager)."""
+    import httpx
+
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
 
 
 @pytest.fixture(scope="module")

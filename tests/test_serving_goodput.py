@@ -1,22 +1,14 @@
-"""benchmarks/serving.py's goodput: SLO attainment per rate and the bracket its sweep narrows."""
+"""`nanoserve bench serve`'s goodput: SLO attainment per rate and the bracket its sweep narrows."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("aiohttp")  # the script's HTTP client (pinned in the test extra)
+pytest.importorskip("aiohttp")  # the benchmark's HTTP client (pinned in the test extra)
 
-_spec = importlib.util.spec_from_file_location(
-    "serving_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "serving.py"
-)
-serving = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = serving  # its dataclasses look their module up there
-_spec.loader.exec_module(serving)
+from nanoserve.bench import serving
 
 
 def result(ok=True, ttft=0.1, e2e=1.1, tokens=51):

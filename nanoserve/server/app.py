@@ -1,9 +1,11 @@
 """The FastAPI application of the API server process: routes, auth, tokenization, response shapes.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /generate
-(native), POST /tokenize, GET /health, GET /metrics. Every generating route builds a
-`Generation` (see generation.py) and renders its deltas either as one JSON body or as
-server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+(native), POST /tokenize, POST /detokenize, GET /version, GET /health, GET /metrics; the
+Responses API (responses.py) and /v1/embeddings (embeddings.py) are added from their own
+modules through `Edge`, the checks and steps every route shares. Every generating route
+builds a `Generation` (see generation.py) and renders its deltas either as one JSON body or
+as server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
 
 Invariants:
 - Every error is answered with OpenAI's error body (`protocol.error_body`), including 404/405
@@ -29,7 +31,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -37,11 +39,14 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanoserve import __version__
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.server import protocol as p
 from nanoserve.server.chat_features import ChatFeatures, ChoiceDelta
-from nanoserve.server.generation import Generation, SampleDelta
+from nanoserve.server.embeddings import add_embedding_routes
+from nanoserve.server.generation import Generation, SampleDelta, collect
 from nanoserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from nanoserve.server.responses import add_responses_routes
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -59,6 +64,8 @@ class ServerState:
     watchdog_timeout_s: float = 60.0  # /health is 503 while the engine has work but no step for this long
     allowed_origins: list[str] | None = None  # CORS origins ("*" for any); None: no CORS headers
     chat: ChatFeatures | None = None  # template, tool and reasoning parsers; default: the tokenizer's template only
+    task: str = "generate"  # "generate" or "embed" (`nanoserve serve --task`): which routes serve
+    hidden_size: int = 0  # an embedding model's vector length (the most `dimensions` may ask)
 
     def __post_init__(self):
         if self.chat is None:
@@ -95,33 +102,6 @@ _RETRY_AFTER_S = "1"  # what a 503 for a full queue or a queue timeout tells cli
 _QUEUE_ERRORS = ("queue_full", "queue_timeout")
 
 
-async def _wait_disconnect(request: Request) -> None:
-    """Returns when the client has gone away (the body must already have been read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _collect(gen: Generation, request: Request) -> list[SampleDelta]:
-    """All deltas of a non-streaming request; aborts it if the client disconnects first."""
-
-    async def consume():
-        return [delta async for delta in gen.deltas()]
-
-    work = asyncio.ensure_future(consume())
-    watch = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            work.cancel()
-            raise p.RequestError(499, "client disconnected", None, "client_disconnected")
-        return work.result()
-    finally:
-        watch.cancel()
-        gen.close()
-
-
 class _Choice:
     """Accumulates one choice of a non-streaming response."""
 
@@ -145,6 +125,22 @@ def _choices(deltas: list[SampleDelta], n: int, num_prompts: int) -> list[_Choic
     for delta in deltas:
         choices[delta.prompt_index * n + delta.index].add(delta)
     return choices
+
+
+@dataclass(frozen=True)
+class Edge:
+    """The checks and steps of build_app's routes, for the routes defined in other modules."""
+
+    state: ServerState
+    check_model: Callable[[str | None], None]
+    check_task: Callable[[str, str | None], None]  # (the task a route needs, the param to blame)
+    need_tokenizer: Callable[[str], object]
+    check_token_ids: Callable[[list[int], str], None]
+    chat_prompt: Callable[[p.ChatCompletionRequest], tuple[str, list[int]]]
+    resolve_max_tokens: Callable[[list[list[int]], int | None, bool, str], int]
+    sampling_params: Callable[[object, int], object]
+    check_grammar: Callable[[object, str], Awaitable[None]]
+    start: Callable[[list[list[int]], object, str], Awaitable[Generation]]
 
 
 # ------------------------------------------------------------------------------------------ app
@@ -201,6 +197,15 @@ def build_app(state: ServerState) -> FastAPI:
                 "model",
                 "model_not_found",
             )
+
+    def check_task(task: str, param: str | None) -> None:
+        if state.task != task:
+            what = (
+                "an embedding model (--task embed): use /v1/embeddings"
+                if state.task == "embed"
+                else ("a generative model: start one with --task embed for /v1/embeddings")
+            )
+            raise p.bad_request(f"This server serves {what}", param, "wrong_task")
 
     def need_tokenizer(param: str):
         if state.tokenizer is None:
@@ -333,6 +338,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         req = p.parse(p.CompletionRequest, await request.body())
         check_model(req.model)
+        check_task("generate", "prompt")
         prompts, texts = [], []
         for item in req.prompt:
             if isinstance(item, str):
@@ -358,7 +364,7 @@ def build_app(state: ServerState) -> FastAPI:
             return text
 
         if not req.stream:
-            choices = _choices(await _collect(gen, request), n, len(prompts))
+            choices = _choices(await collect(gen, request), n, len(prompts))
             out = []
             for i, ch in enumerate(choices):
                 prefix = echo_text(i // n) if req.echo else ""
@@ -447,18 +453,21 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         req = p.parse(p.ChatCompletionRequest, await request.body())
         check_model(req.model)
+        check_task("generate", "messages")
         prompt_text, ids = chat_prompt(req)
         was_sent = bool({"max_tokens", "max_completion_tokens"} & req.model_fields_set)
         max_tokens = resolve_max_tokens([ids], req.requested_max_tokens, was_sent, "messages")
         params = sampling_params(req, max_tokens)
         params = dataclasses.replace(params, structured_outputs=state.chat.constraint(req, prompt_text))
+        if state.chat.keeps_special_tokens:  # harmony's channel markers are special tokens
+            params = dataclasses.replace(params, skip_special_tokens=False)
         await check_grammar(params, req.constraint_field)
         outputs = [state.chat.output(req, prompt_text) for _ in range(req.n)]
         gen = await start([ids], params, "messages")
         rid, created, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.n
 
         if not req.stream:
-            choices = _choices(await _collect(gen, request), n, 1)
+            choices = _choices(await collect(gen, request), n, 1)
             out = []
             for i, ch in enumerate(choices):
                 whole = outputs[i].feed(ch.text)
@@ -543,6 +552,7 @@ def build_app(state: ServerState) -> FastAPI:
     @v1.post("/generate")
     async def generate(request: Request):
         req = p.parse(p.GenerateRequest, await request.body())
+        check_task("generate", None)
         if req.text is not None:
             ids, param = need_tokenizer("text").encode(req.text), "text"
             if not ids:
@@ -558,7 +568,7 @@ def build_app(state: ServerState) -> FastAPI:
         rid = f"gen-{uuid.uuid4().hex}"
 
         if not req.stream:
-            choices = _choices(await _collect(gen, request), params.n, 1)
+            choices = _choices(await collect(gen, request), params.n, 1)
             out = [
                 {
                     "index": i,
@@ -604,7 +614,32 @@ def build_app(state: ServerState) -> FastAPI:
             _, ids = chat_prompt(req.chat_request())
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
+    @v1.post("/detokenize")
+    async def detokenize(request: Request):
+        req = p.parse(p.DetokenizeRequest, await request.body())
+        check_model(req.model)
+        check_token_ids(req.tokens, "tokens")
+        return {"prompt": need_tokenizer("tokens").decode(req.tokens)}
+
+    edge = Edge(
+        state=state,
+        check_model=check_model,
+        check_task=check_task,
+        need_tokenizer=need_tokenizer,
+        check_token_ids=check_token_ids,
+        chat_prompt=chat_prompt,
+        resolve_max_tokens=resolve_max_tokens,
+        sampling_params=sampling_params,
+        check_grammar=check_grammar,
+        start=start,
+    )
+    add_responses_routes(v1, edge)
+    add_embedding_routes(v1, edge)
     app.include_router(v1)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     # -------------------------------------------------------------------------- health, metrics
 

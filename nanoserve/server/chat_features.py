@@ -3,33 +3,45 @@
 Owns `ChatFeatures`: the server's --chat-template, --tool-call-parser and --reasoning-parser
 bound to its tokenizer. For one request it gives the prompt (messages, tools and
 `chat_template_kwargs` through the template), the constraint its `tool_choice` or
-`response_format` asks for, and one `ChoiceOutput` per choice, which turns the choice's text
-into thinking, answer and tool calls.
+`response_format` asks for, and one `ChoiceOutput` per choice (nanoserve/server/choice.py),
+which turns the choice's text into thinking, answer and tool calls.
 
 Invariants:
 - tool_choice "required" or a named function is enforced by a grammar in the format that
-  parses the reply (the configured parser's, else hermes), so such replies always parse
+  parses the reply (the parser's, else hermes: without a parser, or for pythonic, which has
+  no grammar), so such replies always parse
   into calls whose arguments follow the function's parameters schema;
 - with a reasoning parser, a constraint starts after the thinking (`ReasoningGate`), and
   the parser splits the thinking off before the tool parser sees the answer;
 - a `ChoiceOutput` fed a reply in any chunking yields, concatenated, what it yields for the
-  whole reply at once (the streamed and non-streamed responses agree).
+  whole reply at once (the streamed and non-streamed responses agree);
+- the harmony format (gpt-oss, `harmony` for either parser; nanoserve/server/harmony.py)
+  parses thinking and calls together from the reply's special tokens, which its requests
+  then keep in their text (`keeps_special_tokens`); constraints are refused there (they
+  would have to start inside the final channel).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Self
+import logging
+from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
 from nanoserve.sampling_params import StructuredOutputs
 from nanoserve.server import protocol as p
+from nanoserve.server.choice import ChoiceDelta, ChoiceOutput
+from nanoserve.server.harmony import NAME as HARMONY
+from nanoserve.server.harmony import HarmonyOutput
 from nanoserve.server.reasoning import FORMATS as REASONING_FORMATS
-from nanoserve.server.reasoning import ReasoningParser, ReasoningSplitter
+from nanoserve.server.reasoning import ReasoningParser
+from nanoserve.server.tool_parsers import AUTO, NONE, ToolFormat, detect_format
 from nanoserve.server.tool_parsers import FORMATS as TOOL_FORMATS
-from nanoserve.server.tool_parsers import ToolCall, ToolCallStream, ToolFormat
+
+__all__ = ["ChatFeatures", "ChatOptions", "ChoiceDelta", "ChoiceOutput"]
+
+logger = logging.getLogger("nanoserve.server")
 
 # apply_chat_template's own arguments: chat_template_kwargs may not set them.
 _TEMPLATE_ARGUMENTS = frozenset(
@@ -38,83 +50,26 @@ _TEMPLATE_ARGUMENTS = frozenset(
 )
 
 
-@dataclass
-class ChoiceDelta:
-    reasoning: str = ""
-    content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
-
-    def __iadd__(self, other: ChoiceDelta) -> Self:
-        self.reasoning += other.reasoning
-        self.content += other.content
-        self.calls += other.calls
-        return self
-
-
-class ChoiceOutput:
-    """One choice's text in (as it streams), its thinking, answer and tool calls out."""
-
-    def __init__(self, splitter: ReasoningSplitter | None, tools: ToolCallStream | None):
-        self._splitter = splitter
-        self._tools = tools
-        self.num_calls = 0
-
-    @property
-    def has_reasoning(self) -> bool:
-        return self._splitter is not None
-
-    def feed(self, text: str) -> ChoiceDelta:
-        return self._route(self._splitter.feed(text) if self._splitter else None, text, final=False)
-
-    def finish(self) -> ChoiceDelta:
-        return self._route(self._splitter.finish() if self._splitter else None, "", final=True)
-
-    def _route(self, split, text: str, final: bool) -> ChoiceDelta:
-        out = ChoiceDelta()
-        answer = text
-        if split is not None:
-            out.reasoning, answer = split.reasoning, split.content
-        if self._tools is None:
-            out.content = answer
-            return out
-        parsed = self._tools.feed(answer) if answer else None
-        if parsed is not None:
-            out.content, out.calls = parsed.content, parsed.calls
-        if final:
-            rest = self._tools.finish()
-            out.content += rest.content
-            out.calls += rest.calls
-        self.num_calls += len(out.calls)
-        return out
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if reason == "stop" and self.num_calls else reason
-
-    def message(self, whole: ChoiceDelta) -> dict:
-        """The non-streaming `message` of this choice, from everything it yielded."""
-        has_other = bool(whole.calls) or (self.has_reasoning and whole.reasoning)
-        message = {"role": "assistant", "content": whole.content or (None if has_other else whole.content)}
-        if self.has_reasoning:
-            message["reasoning_content"] = whole.reasoning or None
-        if whole.calls:
-            message["tool_calls"] = [c.to_openai() for c in whole.calls]
-        return message
-
-
 @dataclass(frozen=True)
 class ChatOptions:
     """The chat flags of `nanoserve serve`."""
 
     chat_template: str | None = None  # a Jinja template's text, instead of the tokenizer's
-    tool_call_parser: str | None = None  # a key of tool_parsers.FORMATS
+    # a key of tool_parsers.FORMATS, "auto" (picked from the chat template) or "none" (None: "none")
+    tool_call_parser: str | None = AUTO
     reasoning_parser: str | None = None  # a key of reasoning.FORMATS
 
     def __post_init__(self):
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_FORMATS:
-            raise ValueError(f"unknown tool call parser {self.tool_call_parser!r} (known: {', '.join(TOOL_FORMATS)})")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_FORMATS:
-            known = ", ".join(REASONING_FORMATS)
+        if self.tool_call_parser not in (None, AUTO, NONE, HARMONY, *TOOL_FORMATS):
+            known = ", ".join((AUTO, NONE, *TOOL_FORMATS, HARMONY))
+            raise ValueError(f"unknown tool call parser {self.tool_call_parser!r} (known: {known})")
+        if self.reasoning_parser not in (None, HARMONY, *REASONING_FORMATS):
+            known = ", ".join([*REASONING_FORMATS, HARMONY])
             raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r} (known: {known})")
+        if HARMONY in (self.tool_call_parser, self.reasoning_parser) and not (
+            self.reasoning_parser in (None, HARMONY) and self.tool_call_parser in (None, AUTO, NONE, HARMONY)
+        ):
+            raise ValueError("the harmony format cannot be combined with another tool call or reasoning parser")
 
 
 class ChatFeatures:
@@ -124,12 +79,35 @@ class ChatFeatures:
             raise ValueError("--reasoning-parser needs a model with a tokenizer")
         self.tokenizer = tokenizer
         self.chat_template = options.chat_template
-        self.tool_format = TOOL_FORMATS[options.tool_call_parser] if options.tool_call_parser else None
+        tool_parser = self._tool_parser(options.tool_call_parser)
+        # harmony: the reply's channels give thinking and calls (HarmonyOutput), not these parsers
+        self.harmony = HARMONY in (options.reasoning_parser, tool_parser)
+        self.harmony_calls = tool_parser == HARMONY
+        self.tool_format = TOOL_FORMATS.get(tool_parser)
         self.reasoning = (
             ReasoningParser(REASONING_FORMATS[options.reasoning_parser], tokenizer)
-            if options.reasoning_parser
+            if options.reasoning_parser in REASONING_FORMATS
             else None
         )
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether chat replies must be detokenized with their special tokens (harmony's markers)."""
+        return self.harmony
+
+    def _tool_parser(self, parser: str | None) -> str | None:
+        """The tool-call format in force: `auto` picks it from the chat template (and logs it)."""
+        if parser in (None, NONE):
+            return None
+        if parser != AUTO:
+            return parser
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        name, why = detect_format(template if isinstance(template, str) else None)
+        if name is None:
+            logger.info("tool calls: no parser (%s); tool_choice 'auto' needs --tool-call-parser", why)
+            return None
+        logger.info("tool calls: parsed as %s (%s; --tool-call-parser picks another)", name, why)
+        return name
 
     # ---------------------------------------------------------------------------- the prompt
 
@@ -169,12 +147,26 @@ class ChatFeatures:
         """The format the reply's tool calls are parsed in (None: the reply is not parsed)."""
         if not req.calls_tools:
             return None
+        if self.harmony:
+            if req.forced_functions() is not None:
+                raise p.bad_request(
+                    "tool_choice 'required' or a named function is not supported with the harmony format; "
+                    "send tool_choice 'auto' or 'none'",
+                    "tool_choice",
+                )
+            if not self.harmony_calls:
+                raise p.bad_request(
+                    "tool_choice 'auto' needs the server started with --tool-call-parser harmony", "tool_choice"
+                )
+            return None
         if req.forced_functions() is not None:
-            return self.tool_format or TOOL_FORMATS["hermes"]
+            fmt = self.tool_format
+            return fmt if fmt is not None and fmt.has_grammar else TOOL_FORMATS["hermes"]
         if self.tool_format is None:
             raise p.bad_request(
-                "tool_choice 'auto' needs the server started with --tool-call-parser "
-                f"({' or '.join(TOOL_FORMATS)}); send tool_choice 'required', a named function or 'none'",
+                "tool_choice 'auto' needs a tool-call parser: this server runs without one (--tool-call-parser "
+                f"none, or 'auto' found no format in the chat template; pick one of {', '.join(TOOL_FORMATS)}); "
+                "send tool_choice 'required', a named function or 'none'",
                 "tool_choice",
             )
         return self.tool_format
@@ -183,6 +175,12 @@ class ChatFeatures:
         """What the reply must follow: the forced tool calls, or response_format /
         structured_outputs; with a reasoning parser, only after the thinking."""
         spec = req.structured_spec()
+        self._call_format(req)  # refuses what this server cannot parse
+        if self.harmony and spec is not None:
+            raise p.bad_request(
+                "response_format and structured_outputs are not supported with the harmony format",
+                req.constraint_field,
+            )
         forced = req.forced_functions()  # validation made sure they are among the tools sent
         if forced is not None:
             if spec is not None:
@@ -208,5 +206,7 @@ class ChatFeatures:
 
     def output(self, req: p.ChatCompletionRequest, prompt_text: str) -> ChoiceOutput:
         fmt = self._call_format(req)
+        if self.harmony:
+            return HarmonyOutput(parse_calls=req.calls_tools and self.harmony_calls)
         splitter = self.reasoning.splitter(prompt_text) if self.reasoning is not None else None
         return ChoiceOutput(splitter, fmt.stream() if fmt is not None else None)

@@ -11,7 +11,9 @@ import argparse
 from nanoserve.config import add_engine_args, engine_config_from_args
 from nanoserve.models.registry import DEFAULT_MODEL
 from nanoserve.server.chat_features import ChatOptions
+from nanoserve.server.harmony import NAME as HARMONY
 from nanoserve.server.reasoning import FORMATS as REASONING_FORMATS
+from nanoserve.server.tool_parsers import AUTO, NONE
 from nanoserve.server.tool_parsers import FORMATS as TOOL_FORMATS
 from nanoserve.switches import api_key_from_env
 
@@ -53,6 +55,13 @@ def register(subparsers) -> None:
         help="/health answers 503 while the engine has work but finished no step for this many seconds (default 60)",
     )
     g.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=None,
+        help="seconds an idle HTTP connection stays open; keep it above the idle time of clients' connection pools "
+        "(default 120)",
+    )
+    g.add_argument(
         "--allowed-origins",
         default=None,
         metavar="ORIGINS",
@@ -64,15 +73,17 @@ def register(subparsers) -> None:
     )
     g.add_argument(
         "--tool-call-parser",
-        choices=sorted(TOOL_FORMATS),
-        default=None,
-        help="parse tool calls in this format (needed for tool_choice 'auto'; 'required' and named ones use hermes without it)",
+        choices=[AUTO, NONE, *sorted([*TOOL_FORMATS, HARMONY])],
+        default=AUTO,
+        help="parse tool calls in this format (default auto: picked from the chat template and logged; "
+        "none: tool_choice 'auto' is refused, 'required' and named ones use hermes)",
     )
     g.add_argument(
         "--reasoning-parser",
-        choices=sorted(REASONING_FORMATS),
+        choices=sorted([*REASONING_FORMATS, HARMONY]),
         default=None,
-        help="return <think>...</think> as reasoning_content; constraints then apply after the thinking",
+        help="return <think>...</think> (harmony: gpt-oss's analysis channel) as reasoning_content; constraints then "
+        "apply after the thinking",
     )
     serve.set_defaults(func=_serve)
 
@@ -118,6 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_queued_requests=args.max_queued_requests,
             queue_timeout_s=args.queue_timeout,
             watchdog_timeout_s=args.watchdog_timeout,
+            **({} if args.timeout_keep_alive is None else {"keep_alive_s": args.timeout_keep_alive}),
             allowed_origins=tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()),
         )
         chat = ChatOptions(

@@ -66,6 +66,8 @@ def _model_info(engine, served_name: str) -> m.ModelInfo:
         vocab_size=int(mc.vocab_size),
         eos_token_ids=list(getattr(mc, "eos_token_ids", None) or []),
         tokenizer=getattr(engine, "tokenizer", None),
+        hidden_size=int(getattr(mc, "hidden_size", 0) or 0),
+        task=getattr(getattr(engine, "config", None), "task", "generate"),
     )
 
 
@@ -100,7 +102,7 @@ def engine_main(
     push.send(payload)
     # The startup heap (torch, transformers, the engine's own long-lived objects: ~200k) would
     # otherwise be scanned by every full collection, a pause in the step loop (a process
-    # holding LLM() on CPU: 126 ms, 0.01 ms once frozen; benchmarks/RESULTS.md). The engine
+    # holding LLM() on CPU: 126 ms, 0.01 ms once frozen; benchmarks/results/2026-11-21.md). The engine
     # lives as long as this process, so nothing frozen here needs collecting later.
     gc.collect()
     gc.freeze()

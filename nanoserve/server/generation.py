@@ -66,6 +66,7 @@ class SampleDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
+    embedding: list[float] | None = None  # an embedding model's vector (on the request's one delta)
 
 
 @dataclass
@@ -207,14 +208,9 @@ class Generation:
         if update.new_token_ids:
             sample.last_token_time = now
 
-        # Feed tokens one at a time so we know exactly which token completed a stop string.
-        text_parts: list[str] = []
-        kept: list[int] = []
-        for token_id in update.new_token_ids:
-            kept.append(token_id)
-            text_parts.append(sample.detok.append([token_id]))
-            if sample.detok.stopped:
-                break
+        text, num_kept = sample.detok.feed(update.new_token_ids)  # cut at the token completing a stop string
+        text_parts: list[str] = [text]
+        kept = update.new_token_ids[:num_kept]
         sample.token_ids.extend(kept)
         self._metrics.generation_tokens.inc(len(kept))
         logprobs = update.new_logprobs[: len(kept)] if update.new_logprobs is not None else None
@@ -235,4 +231,34 @@ class Generation:
                 job.closed = True
                 self._metrics.e2e.observe(now - self._arrival)
                 self._client.release(job.request_id)
-        return SampleDelta(job.prompt_index, update.index, "".join(text_parts), kept, logprobs, finish)
+        return SampleDelta(
+            job.prompt_index, update.index, "".join(text_parts), kept, logprobs, finish, update.embedding
+        )
+
+
+async def _wait_disconnect(request) -> None:
+    """Returns when the client has gone away (the body must already have been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(gen: Generation, request) -> list[SampleDelta]:
+    """All deltas of a non-streaming request; aborts it if the client disconnects first
+    (`request`: the Starlette request, whose body has been read)."""
+
+    async def consume():
+        return [delta async for delta in gen.deltas()]
+
+    work = asyncio.ensure_future(consume())
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            raise RequestError(499, "client disconnected", None, "client_disconnected")
+        return work.result()
+    finally:
+        watch.cancel()
+        gen.close()

@@ -36,6 +36,12 @@ logger = logging.getLogger("nanoserve.server")
 
 GRACEFUL_SHUTDOWN_S = 2  # open streams get this long to finish after a shutdown signal
 ENGINE_STOP_GRACE_S = 3  # then the engine process gets this long before it is killed
+# How long an idle HTTP connection stays open. It must outlast the idle expiry of the client
+# pools that keep connections (httpx, so the openai SDK: 5 s; aiohttp: 15 s; Go's net/http and
+# reqwest: 90 s): at uvicorn's own default of 5 s, a pool could send a request on a connection
+# at the moment the server closed it, and the request failed on the client with nothing in the
+# server's log (aiohttp: ServerDisconnectedError; benchmarks/results/2026-11-28.md).
+KEEP_ALIVE_S = 120.0
 
 
 class _Server(uvicorn.Server):
@@ -57,6 +63,7 @@ class ServerLimits:
     queue_timeout_s: float | None = None  # a request not scheduled within this is answered 503
     watchdog_timeout_s: float = 60.0  # /health is 503 while the engine has work and no step for this long
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: off
+    keep_alive_s: float = KEEP_ALIVE_S  # an idle HTTP connection is closed after this long
 
     def __post_init__(self):
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
@@ -65,6 +72,8 @@ class ServerLimits:
             raise ValueError(f"--queue-timeout must be positive, got {self.queue_timeout_s}")
         if self.watchdog_timeout_s <= 0:
             raise ValueError(f"--watchdog-timeout must be positive, got {self.watchdog_timeout_s}")
+        if self.keep_alive_s <= 0:
+            raise ValueError(f"--timeout-keep-alive must be positive, got {self.keep_alive_s}")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -203,6 +212,8 @@ async def _serve(
             watchdog_timeout_s=limits.watchdog_timeout_s,
             allowed_origins=list(limits.allowed_origins) or None,
             chat=features,
+            task=info.task,
+            hidden_size=info.hidden_size,
         )
         uv_config = uvicorn.Config(
             build_app(state),
@@ -210,7 +221,7 @@ async def _serve(
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-            timeout_keep_alive=5,
+            timeout_keep_alive=limits.keep_alive_s,
         )
         server = _Server(uv_config)
 

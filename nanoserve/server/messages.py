@@ -57,6 +57,8 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: list[int]
     tokenizer: Any = None  # a transformers tokenizer (picklable) or None for tokenizer-less models
+    hidden_size: int = 0  # the length of an embedding model's vectors
+    task: str = "generate"  # EngineConfig.task: "generate" or "embed"
 
 
 @dataclass

@@ -140,6 +140,8 @@ class ServerMetrics:
         self.queued = gauge(
             "nanoserve_server_requests_queued", "Engine requests submitted and not yet admitted by the scheduler"
         )
+        self.slots_total = gauge("nanoserve_request_slots_total", "Request slots of the engine (max_num_seqs)")
+        self.slots_free = gauge("nanoserve_request_slots_free", "Request slots no request holds")
         self.kv_total = gauge("nanoserve_kv_cache_pages_total", "KV cache pages")
         self.kv_free = gauge("nanoserve_kv_cache_pages_free", "KV cache pages free")
         self.kv_cached = gauge("nanoserve_kv_cache_pages_cached", "KV cache pages held only by the prefix cache")
@@ -154,6 +156,16 @@ class ServerMetrics:
             "nanoserve_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache"
         )
         self.prefix_hits = gauge("nanoserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache")
+        # Speculative decoding (engine counters under vLLM's names; exported when it is on).
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts").labels(**label)
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens").labels(**label)
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens").labels(
+            **label
+        )
+        self.spec_accepted_per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position", ["position"]
+        )
+        self._spec_seen: dict[str, object] = {}  # the engine's last counter values
         for reason in ("stop", "length", "abort"):  # export zeros from the start
             self._finished.labels(finish_reason=reason, **label)
             self._vllm_success.labels(finished_reason=reason, **label)
@@ -179,6 +191,8 @@ class ServerMetrics:
         self.kv_cached.set(cached)
         self.kv_in_use.set(in_use)
         self.kv_usage.set(in_use / total if total else 0.0)
+        self.slots_total.set(int(stats.get("request_slots_total", 0)))
+        self.slots_free.set(int(stats.get("request_slots_free", 0)))
         self.running.set(int(stats.get("requests_running", 0)))
         self.waiting.set(int(stats.get("requests_waiting", 0)))
         self.in_flight.set(in_flight)
@@ -188,6 +202,25 @@ class ServerMetrics:
         self.prefix_queries.set(queries)
         self.prefix_hits.set(hits)
         self.prefix_hit_rate.set(hits / queries if queries else 0.0)
+        if "vllm:spec_decode_num_drafts" in stats:
+            self._update_speculative(stats)
+
+    def _update_speculative(self, stats: dict) -> None:
+        """Advance the speculative counters by what the engine's cumulative counts grew."""
+        seen = self._spec_seen
+        for name, series in (
+            ("vllm:spec_decode_num_drafts", self.spec_drafts),
+            ("vllm:spec_decode_num_draft_tokens", self.spec_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", self.spec_accepted),
+        ):
+            value = int(stats[name])
+            series.inc(max(0, value - int(seen.get(name, 0))))
+            seen[name] = value
+        per_pos = list(stats["vllm:spec_decode_num_accepted_tokens_per_pos"])
+        before = seen.get("per_pos", [0] * len(per_pos))
+        for pos, (now, then) in enumerate(zip(per_pos, before)):
+            self.spec_accepted_per_pos.labels(position=str(pos), **self._label).inc(max(0, now - then))
+        seen["per_pos"] = per_pos
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

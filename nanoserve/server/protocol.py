@@ -207,6 +207,34 @@ class _SamplingFields(_Strict):
         return sampling_params_from(self, max_tokens, logprobs)
 
 
+def prompt_list(value: Any, what: str) -> list[str | list[int]]:
+    """str | list[str] | list[int] | list[list[int]], never empty, as a list (completion prompts,
+    embedding inputs); a ValueError (a 400 naming the field) for anything else."""
+
+    def is_tok(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if isinstance(value, str) or isinstance(value, list) and value and all(is_tok(t) for t in value):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be a non-empty string, list of strings, list of token ids or list of those")
+    for item in value:
+        if isinstance(item, str):
+            if not item:
+                raise ValueError(f"{what} must not be empty")
+        elif isinstance(item, list):
+            if not item:
+                raise ValueError(f"{what} must not be empty")
+            if not all(is_tok(t) for t in item):
+                raise ValueError(f"token id {what}s must contain only integers")
+            if any(t < 0 for t in item):
+                raise ValueError("token ids must be >= 0")
+        else:
+            # pydantic turns only ValueError into a validation error (a 400 naming the field)
+            raise ValueError("must be a string, list of strings, list of token ids or list of those")  # noqa: TRY004
+    return value
+
+
 class CompletionRequest(_SamplingFields):
     prompt: Any
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default; null: up to the context length
@@ -218,30 +246,7 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value):
-        """str | list[str] | list[int] | list[list[int]], never empty, returned as a list."""
-
-        def is_tok(x):
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        if isinstance(value, str) or isinstance(value, list) and value and all(is_tok(t) for t in value):
-            value = [value]
-        if not isinstance(value, list) or not value:
-            raise ValueError("must be a non-empty string, list of strings, list of token ids or list of those")
-        for item in value:
-            if isinstance(item, str):
-                if not item:
-                    raise ValueError("prompt must not be empty")
-            elif isinstance(item, list):
-                if not item:
-                    raise ValueError("prompt must not be empty")
-                if not all(is_tok(t) for t in item):
-                    raise ValueError("token id prompts must contain only integers")
-                if any(t < 0 for t in item):
-                    raise ValueError("token ids must be >= 0")
-            else:
-                # pydantic turns only ValueError into a validation error (a 400 naming the field)
-                raise ValueError("must be a string, list of strings, list of token ids or list of those")  # noqa: TRY004
-        return value
+        return prompt_list(value, "prompt")
 
     @field_validator("suffix")
     @classmethod
@@ -295,7 +300,11 @@ class ChatMessage(_Strict):
         if isinstance(value, list):
             for i, part in enumerate(value):
                 if not isinstance(part, dict) or part.get("type") != "text":
-                    raise ValueError(f"content part {i}: only parts of type 'text' are supported")
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(
+                        f"content part {i}: only parts of type 'text' are supported, not {kind!r} (nanoserve serves "
+                        "text only: a multimodal checkpoint's vision tower is not loaded)"
+                    )
         return value
 
     def text(self) -> str:
@@ -556,6 +565,20 @@ class TokenizeRequest(_Strict):
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
         return self
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize: token ids back to text (special tokens kept, as vLLM does)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, value):
+        if any(t < 0 for t in value):
+            raise ValueError("token ids must be >= 0")
+        return value
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:

@@ -3,7 +3,7 @@
 Owns `tool_call_constraint`: an EBNF grammar (StructuredOutputs.grammar) that admits
 `begin {"<name_key>": "<function name>", "<args_key>": <JSON of that function's parameters
 schema>} end`, optionally repeated with whitespace (or a separator) between calls, and nothing
-else. The JSON part comes from xgrammar's own JSON Schema converter (one schema: anyOf over
+else; at most MAX_SPACE whitespace characters at each place they may go. The JSON part comes from xgrammar's own JSON Schema converter (one schema: anyOf over
 the functions, each pinning its name with `const`), so arguments follow the same rules as
 response_format.
 """
@@ -17,6 +17,9 @@ import xgrammar as xgr
 from nanoserve.sampling_params import StructuredOutputs
 
 _CALL_RULE = "nanoserve_tool_call"
+# Whitespace around and between calls is bounded: a weak model's greedy reply, free to add
+# spaces there, otherwise spins in them until max_tokens and never closes its call.
+MAX_SPACE = 4
 
 
 def _rename_root(ebnf: str, new: str) -> str:
@@ -55,10 +58,13 @@ def tool_call_constraint(
     name_key: str = "name",
     args_key: str = "arguments",
     separator: str = "",
+    prefix: str = "",
+    suffix: str = "",
 ) -> StructuredOutputs:
     """`functions`: OpenAI function objects ({"name", "parameters"?, ...}); a function without
     `parameters` takes any JSON object. `at_least_one` False also admits an empty reply.
-    Calls are separated by whitespace, around `separator` when one is given (e.g. ";")."""
+    Calls are separated by whitespace, around `separator` when one is given (e.g. ";");
+    `prefix` and `suffix` enclose all of them (mistral's list: "[" and "]")."""
     if not functions:
         raise ValueError("tool_call_constraint needs at least one function")
     cases = []
@@ -80,8 +86,11 @@ def tool_call_constraint(
         call = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(f"invalid parameters schema in tools: {str(exc).strip()}") from None
-    block = f"{json.dumps(begin)} [ \\t\\n]* {_CALL_RULE} [ \\t\\n]* {json.dumps(end)}"
-    between = f"[ \\t\\n]* {json.dumps(separator)} [ \\t\\n]*" if separator else "[ \\t\\n]*"
+    ws = f"[ \\t\\n]{{0,{MAX_SPACE}}}"
+    block = f"{json.dumps(begin)} {ws} {_CALL_RULE} {ws} {json.dumps(end)}"
+    between = f"{ws} {json.dumps(separator)} {ws}" if separator else ws
     calls = f"({block})" + (f" ({between} {block})*" if allow_many else "")
+    if prefix or suffix:
+        calls = f"{json.dumps(prefix)} {ws} {calls} {ws} {json.dumps(suffix)}"
     root = f"root ::= {calls}" if at_least_one else f'root ::= "" | {calls}'
     return StructuredOutputs(grammar=root + "\n" + _rename_root(call, _CALL_RULE))
