@@ -2,7 +2,9 @@
 # One device call: the GPU tests and benchmarks named in $STAGES, in order; everything goes
 # to $OUT/session.log (the device tool returns at most 8 files).
 #   STAGES="offline llama latency prefill prefix tests" bash benchmarks/gpu_session.sh
-#   STAGES=serving SERVE_RATES=16,32,inf SERVE_POLICIES=mixed [SERVE_ARGS="--num-prompts 50"] bash benchmarks/gpu_session.sh
+#   STAGES=serving SERVE_RATES=16,32,inf SERVE_POLICIES=mixed [SERVE_ARGS="--num-prompts 50"] [SERVER_ARGS="--max-queued-requests 64"] bash benchmarks/gpu_session.sh
+#   STAGES=overload OVERLOAD_PROMPTS="200 300 600" OVERLOAD_VARIANTS="default|--burst-start 2|--burst-max-running 32|--growth 1" bash benchmarks/gpu_session.sh
+#   STAGES=structured REPEAT=10 [STRUCTURED_ARGS="--passes 3"] bash benchmarks/gpu_session.sh;  STAGES=soak [SOAK_S=510] bash benchmarks/gpu_session.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 LOG=$OUT/session.log
@@ -17,7 +19,7 @@ stage() {  # name, timeout in s, command...
 serve_sweep() {  # policy: a dummy $SERVE_MODEL server, swept at $SERVE_RATES; JSON and PNG to $OUT
   local policy=$1 port=$((8100 + RANDOM % 800)) t0=$SECONDS
   echo "===== serving[$policy]: $SERVE_MODEL at ${SERVE_RATES:-4,8,16,32,inf} req/s ($(date -u +%H:%M:%S))" >> $LOG
-  python -m nanoserve serve $SERVE_MODEL --load-format dummy --schedule-policy $policy --port $port \
+  python -m nanoserve serve $SERVE_MODEL --load-format dummy --schedule-policy $policy --port $port $SERVER_ARGS \
     > $OUT/server_$policy.log 2>&1 &
   local pid=$!
   local health="import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)"
@@ -64,6 +66,20 @@ for s in ${STAGES:-tests offline latency}; do
     profile) stage profile 400 python benchmarks/probes/profile_offline.py ;;
     host) stage host ${T_HOST:-200} python benchmarks/probes/host_overhead.py --model ${HOST_MODEL:-qwen3-0.6b} $HOST_ARGS ;;
     spread) stage spread 300 python benchmarks/offline_throughput.py --repeat ${REPEAT:-4} ;;
+    overload)  # the engine's loop under Poisson arrivals, every step traced (probes/overload_steps.py)
+      IFS='|' read -ra variants <<< "${OVERLOAD_VARIANTS:-default}"
+      for n in ${OVERLOAD_PROMPTS:-200 300 600}; do
+        for v in "${variants[@]}"; do
+          stage "overload[$n, $v]" ${T_OVERLOAD:-240} python benchmarks/probes/overload_steps.py --model $SERVE_MODEL \
+            --rate ${OVERLOAD_RATE:-32} --num-prompts $n $(echo "$v" | sed 's/^default$//')
+        done
+      done ;;
+    structured) stage structured ${T_STRUCTURED:-580} python benchmarks/structured.py --repeat ${REPEAT:-10} --no-max-length $STRUCTURED_ARGS ;;
+    soak)  # a server under the changing mix for SOAK_S seconds (benchmarks/soak.py); JSON and PNG to $OUT
+      stage soak $(( ${SOAK_S:-510} + 80 )) python benchmarks/soak.py --model ${SOAK_MODEL:-smollm2-135m} \
+        --duration ${SOAK_S:-510} --cycle 60 --rate ${SOAK_RATE:-30} --burst ${SOAK_BURST:-400} --max-tokens 64 \
+        --max-num-seqs 128 --max-queued-requests 128 --queue-timeout 20 \
+        --output-json $OUT/soak.json --output-png $OUT/soak.png --server-log $OUT/soak_server.log ;;
     serving) for p in ${SERVE_POLICIES:-mixed prefill-first}; do serve_sweep $p; done ;;  # needs .whl: the default set plus xgrammar
     sampler) stage sampler_tests ${T_SAMPLER_TESTS:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_sampler.py
              stage sampler_bench 120 python benchmarks/probes/sampler_bench.py ;;

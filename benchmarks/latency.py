@@ -8,7 +8,7 @@ weight plus their fp32 scales (embedding and LM head stay bf16). Mixture-of-expe
 
     python benchmarks/latency.py [--models qwen3-0.6b llama-3.1-8b qwen3-30b-a3b mixtral-8x7b] [--repeats 3] [--triton-ops off on] [--quantization fp8]
 
-On one H200 (benchmarks/RESULTS.md, 2026-11-27, 7f98f24): TPOT qwen3-0.6b 0.712 ms, llama-3.1-8b
+On one H200 (benchmarks/results/2026-11-27.md, 7f98f24): TPOT qwen3-0.6b 0.712 ms, llama-3.1-8b
 3.924 ms (97% of its floor), llama-3.1-8b with --quantization fp8 2.409 ms.
 """
 
@@ -38,7 +38,7 @@ def fresh_prompt(run: int) -> list[int]:
     """Run `run`'s prompt: PROMPT_LEN tokens, its first one unlike any other run's, so that
     the prefix cache (on by default) finds nothing and TTFT times the whole prefill. Until
     2026-11-27 every run sent the warm-up's prompt and TTFT timed a 16-token extend over 112
-    cached tokens (benchmarks/RESULTS.md)."""
+    cached tokens (benchmarks/results/2026-11-27.md, 10:53-12:10)."""
     return [(7 * i + 3 + 1009 * run) % 10000 for i in range(PROMPT_LEN)]
 
 

@@ -16,7 +16,7 @@ decodes the sequences with more than s output tokens.
 
     python benchmarks/offline_throughput.py [--model qwen3-0.6b] [--peer hf]
 
-On one H200 (benchmarks/RESULTS.md, 2026-11-25): qwen3-0.6b 27.0-28.0k output tok/s, ~74% of
+On one H200 (benchmarks/results/2026-11-25.md): qwen3-0.6b 27.0-28.0k output tok/s, ~74% of
 the floor; llama-3.1-8b ~9.8k (bf16), ~11.4k with --quantization fp8.
 """
 

@@ -2,7 +2,8 @@
 engine change that renames what they wrap fails here rather than on a GPU machine later.
 
 - `benchmarks/probes/profile_offline.py --smoke`: wraps `LLMEngine._forward` per step;
-- `benchmarks/probes/host_overhead.py`: stubs the forward and times the engine's phases.
+- `benchmarks/probes/host_overhead.py`: stubs the forward and times the engine's phases;
+- `benchmarks/probes/overload_steps.py`: wraps the scheduler's schedule() and sets its constants.
 
 And `benchmarks/latency.py`'s runs, on a tiny model: each prefills its whole prompt (until
 2026-11-27 every run re-sent the warm-up's prompt and its TTFT timed a prefix-cache hit).
@@ -56,3 +57,18 @@ def test_latency_runs_prefill_their_whole_prompt(tmp_path):
         one_run(llm.engine, [t % VOCAB for t in fresh_prompt(run)], f"r{run}")
     stats = llm.stats()
     assert stats["prefix_cache_query_tokens"] > 0 and stats["prefix_cache_hit_tokens"] == 0, stats
+
+
+def test_overload_steps_runs_on_cpu(tmp_path):
+    """benchmarks/probes/overload_steps.py (the device call's overload probe) on a tiny llama: it
+    wraps the scheduler's schedule(), overrides its constants and drives the engine's loop."""
+    from tests.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "llama", "llama")
+    args = ["--model", str(model), "--load-format", "auto", "--device", "cpu", "--rate", "40", "--num-prompts", "8",
+            "--input-len", "40", "--output-len", "6", "--itl-bound", "1", "--max-queued", "8", "--burst-start", "2"]  # fmt: skip
+    out = run_probe("overload_steps.py", *args)
+    assert "burst 2.0 -> 0.1" in out and "8 requests served" in out, out
+    for line in ("ITL  p50", "TTFT p50", "steps with decode rows over 1 ms", "queue over time"):
+        assert line in out, out
+    assert "  burst " not in out, out  # --burst-start 2: the queue can never be more than all of it

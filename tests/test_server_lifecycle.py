@@ -7,6 +7,8 @@ paths without loading a model.
 
 from __future__ import annotations
 
+import asyncio
+import http.client
 import json
 import os
 import signal
@@ -119,6 +121,37 @@ def test_multi_prompt_n_stream_and_tokenizerless_model(fake_server):
             "prompt_tokens_details": {"cached_tokens": 0},
         }
         assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 256
+
+
+def test_idle_connection_outlives_client_pools(fake_server):
+    """A keep-alive connection idle past uvicorn's default 5 s still serves. At 5 s a pooled
+    client (httpx's pool expires idle connections after 5 s, aiohttp's after 15 s) could send a
+    request as the server closed the connection: the request failed on the client
+    (ServerDisconnectedError) and the server logged nothing."""
+    from urllib.parse import urlsplit
+
+    import aiohttp
+
+    from nanoserve.server.launch import KEEP_ALIVE_S
+
+    async def aiohttp_default_s() -> float:
+        async with aiohttp.TCPConnector() as conn:
+            return conn._keepalive_timeout
+
+    assert KEEP_ALIVE_S > max(httpx.Limits().keepalive_expiry, asyncio.run(aiohttp_default_s()))
+    url = urlsplit(fake_server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    try:
+        conn.request("GET", "/v1/models")
+        assert conn.getresponse().read() and conn.sock is not None
+        sock = conn.sock
+        time.sleep(6.0)
+        conn.request("GET", "/v1/models")  # on the same connection: a closed one raises here or below
+        resp = conn.getresponse()
+        assert resp.status == 200 and conn.sock is sock
+        assert json.loads(resp.read())["data"][0]["id"] == "fake"
+    finally:
+        conn.close()
 
 
 def test_engine_death_answers_503_and_exits(fake_server):
