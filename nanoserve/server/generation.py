@@ -46,6 +46,9 @@ class _TextlessDetokenizer:
     def append(self, token_ids: list[int]) -> str:
         return ""
 
+    def feed(self, token_ids: list[int]) -> tuple[str, int]:
+        return "", len(token_ids)  # no text, so no stop string can cut the tokens
+
     def flush(self) -> str:
         return ""
 
