@@ -1,8 +1,8 @@
 """The FastAPI application of the API server process: routes, auth, tokenization, response shapes.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /generate
-(native), POST /tokenize, POST /detokenize, GET /version, GET /health, GET /metrics; the
-Responses API (responses.py) and /v1/embeddings (embeddings.py) are added from their own
+(native), POST /tokenize, POST /detokenize, GET /version, GET /health, GET /metrics; what a
+gateway reads (/server_info, /model_info, /v1/loads) from gateway_info.py; the Responses API (responses.py) and /v1/embeddings (embeddings.py) are added from their own
 modules through `Edge`, the checks and steps every route shares. Every generating route
 builds a `Generation` (see generation.py) and renders its deltas either as one JSON body or
 as server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
@@ -32,7 +32,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -44,6 +44,7 @@ from nanoserve.outputs import TokenLogprobs
 from nanoserve.server import protocol as p
 from nanoserve.server.chat_features import ChatFeatures, ChoiceDelta
 from nanoserve.server.embeddings import add_embedding_routes
+from nanoserve.server.gateway_info import add_gateway_routes
 from nanoserve.server.generation import Generation, SampleDelta, collect
 from nanoserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from nanoserve.server.responses import add_responses_routes
@@ -66,6 +67,8 @@ class ServerState:
     chat: ChatFeatures | None = None  # template, tool and reasoning parsers; default: the tokenizer's template only
     task: str = "generate"  # "generate" or "embed" (`nanoserve serve --task`): which routes serve
     hidden_size: int = 0  # an embedding model's vector length (the most `dimensions` may ask)
+    # Launch settings /server_info reports (model_path, tp_size, max_running_requests, ...).
+    launch: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.chat is None:
@@ -640,6 +643,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/version")
     async def version():
         return {"version": __version__}
+
+    add_gateway_routes(app, state)
 
     # -------------------------------------------------------------------------- health, metrics
 

@@ -68,6 +68,7 @@ def _model_info(engine, served_name: str) -> m.ModelInfo:
         tokenizer=getattr(engine, "tokenizer", None),
         hidden_size=int(getattr(mc, "hidden_size", 0) or 0),
         task=getattr(getattr(engine, "config", None), "task", "generate"),
+        model_type=getattr(mc, "model_type", None),
     )
 
 

@@ -90,6 +90,23 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def launch_info(config, info) -> dict:
+    """The launch settings /server_info and /model_info report (fields named as SGLang's)."""
+    return {
+        "model_path": config.model,
+        "tokenizer_path": config.tokenizer or config.model,
+        "model_type": info.model_type,
+        "tp_size": config.tensor_parallel_size,
+        "max_running_requests": config.max_num_seqs,
+        "page_size": config.page_size,
+        "chunked_prefill_size": config.chunked_prefill_size,
+        "dtype": config.dtype,
+        "device": config.device,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "speculative_algorithm": config.speculative_algorithm,
+    }
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
@@ -214,6 +231,7 @@ async def _serve(
             chat=features,
             task=info.task,
             hidden_size=info.hidden_size,
+            launch=launch_info(config, info),
         )
         uv_config = uvicorn.Config(
             build_app(state),

@@ -59,6 +59,7 @@ class ModelInfo:
     tokenizer: Any = None  # a transformers tokenizer (picklable) or None for tokenizer-less models
     hidden_size: int = 0  # the length of an embedding model's vectors
     task: str = "generate"  # EngineConfig.task: "generate" or "embed"
+    model_type: str | None = None  # the model's config.json model_type (reported in /model_info)
 
 
 @dataclass

@@ -73,8 +73,10 @@ class _Both:
 
     def __init__(self, *children):
         self._children = children
+        self.total = 0.0  # what inc() added up to (read back by /v1/loads' throughput)
 
     def inc(self, amount: float = 1) -> None:
+        self.total += amount
         for c in self._children:
             c.inc(amount)
 
@@ -171,6 +173,10 @@ class ServerMetrics:
             self._vllm_success.labels(finished_reason=reason, **label)
         for reason in ("queue_full", "queue_timeout"):
             self._rejected.labels(reason=reason, **label)
+
+    @property
+    def generated_tokens(self) -> float:
+        return self.generation_tokens.total
 
     def finished(self, reason: str) -> None:
         self._finished.labels(finish_reason=reason, **self._label).inc()
