@@ -12,6 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanoserve.server")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --dp` hands it to its replicas
     return args.func(args)
 
 

@@ -1,7 +1,8 @@
-"""The `serve` and `chat` subcommands of the `nanoserve` CLI (registered by nanoserve.cli).
+"""The `serve`, `chat` and `router` subcommands of the `nanoserve` CLI (registered by nanoserve.cli).
 
-nanoserve serve [MODEL] [engine flags] [--host H] [--port P] [--api-key KEY]
+nanoserve serve [MODEL] [engine flags] [--host H] [--port P] [--api-key KEY] [--dp N --router-policy P]
 nanoserve chat [--url URL | MODEL engine flags] [--system TEXT] [--max-tokens N] ...
+nanoserve router --worker-urls URL... | --discovery-file FILE   (nanoserve.server.gateway)
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import argparse
 from nanoserve.config import add_engine_args, engine_config_from_args
 from nanoserve.models.registry import DEFAULT_MODEL
 from nanoserve.server.chat_features import ChatOptions
+from nanoserve.server.gateway import DEFAULT_POLICY, POLICIES
+from nanoserve.server.gateway import register as register_router
 from nanoserve.server.harmony import NAME as HARMONY
 from nanoserve.server.reasoning import FORMATS as REASONING_FORMATS
 from nanoserve.server.tool_parsers import AUTO, NONE
@@ -67,6 +70,22 @@ def register(subparsers) -> None:
         metavar="ORIGINS",
         help="enable CORS for these comma-separated origins ('*' for any; default: CORS off)",
     )
+    g = serve.add_argument_group("replicas (needs the router extra: pip install 'nanoserve[router]')")
+    g.add_argument(
+        "--dp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="N replicas of the server, each on its own --tp GPUs (on CPU, N processes), behind the smg gateway on "
+        "--host:--port; a replica that dies is restarted",
+    )
+    g.add_argument(
+        "--router-policy",
+        choices=POLICIES,
+        default=DEFAULT_POLICY,
+        help=f"with --dp: how the gateway picks a replica (default {DEFAULT_POLICY}: the one holding the longest "
+        "shared prefix, unless it is much busier)",
+    )
     g = serve.add_argument_group("chat")
     g.add_argument(
         "--chat-template", default=None, metavar="FILE", help="a Jinja chat template to use instead of the model's"
@@ -105,6 +124,7 @@ def register(subparsers) -> None:
     g.add_argument("--temperature", type=float, default=0.7)
     g.add_argument("--top-p", type=float, default=0.95)
     chat.set_defaults(func=_chat)
+    register_router(subparsers)
 
 
 def _add_model_args(parser: argparse.ArgumentParser, help_text: str) -> None:
@@ -139,6 +159,8 @@ def _serve(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise SystemExit(f"nanoserve serve: {exc}") from None
+    if args.dp is not None:
+        return _serve_replicas(args, config)
     if config.node_rank > 0:  # multi-host tensor parallelism: this host runs worker ranks only
         from nanoserve.distributed.tp_runner import run_worker_node
         from nanoserve.engine.llm_engine import serve_worker_rank
@@ -154,6 +176,38 @@ def _serve(args: argparse.Namespace) -> int:
         limits=limits,
         chat=chat,
     )
+
+
+def _serve_replicas(args: argparse.Namespace, config) -> int:
+    from nanoserve.server.gateway import GatewayUnavailable, require_smg
+    from nanoserve.server.launch import setup_logging
+    from nanoserve.server.replicas import DataParallelServer
+
+    try:
+        if args.dp < 1:
+            raise ValueError(f"--dp must be at least 1, got {args.dp}")
+        if config.nnodes > 1:
+            raise ValueError(
+                "--dp runs replicas on this host; for several hosts run `serve` on each and "
+                "`nanoserve router` in front (docs/scale_out.md)"
+            )
+        require_smg("--dp")
+        argv = getattr(args, "argv", None) or []
+        supervisor = DataParallelServer(
+            serve_argv=argv[argv.index("serve") + 1 :] if "serve" in argv else [],
+            dp=args.dp,
+            tp=config.tensor_parallel_size,
+            device=config.device,
+            host=args.host,
+            port=args.port,
+            policy=args.router_policy,
+            api_key=args.api_key,
+            served_name=args.served_model_name or args.model,
+        )
+    except (ValueError, GatewayUnavailable) as exc:
+        raise SystemExit(f"nanoserve serve: {exc}") from None
+    setup_logging()
+    return supervisor.run()
 
 
 def _read_template(path: str | None) -> str | None:
