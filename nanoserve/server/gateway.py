@@ -76,6 +76,7 @@ def smg_command(
         "--health-success-threshold",
         "1",
         "--disable-tokenizer-autoload",
+        "--disable-circuit-breaker",
         "--prometheus-host",
         "127.0.0.1",
         "--prometheus-port",
