@@ -333,16 +333,7 @@ def test_each_policy_routes_to_nanoserve(fleet, policy):
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                listing = httpx.get(url + "/workers", timeout=5).json()
-                if sum(w["is_healthy"] for w in listing["workers"]) == 2:
-                    break
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            assert router.proc.poll() is None, router.log
-            time.sleep(0.2)
+        assert len(_wait_healthy(router, url, 2)) == 2
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         for i in range(3):
             out = c.completions.create(model=MODEL, prompt=f"{policy} {i}: one, two,", max_tokens=3, temperature=0)
@@ -352,6 +343,46 @@ def test_each_policy_routes_to_nanoserve(fleet, policy):
         router.proc.send_signal(signal.SIGTERM)
         if router.wait_exit(20) is None:
             router.kill()
+
+
+def test_router_follows_a_discovery_file(fleet, tmp_path):
+    """`nanoserve router --discovery-file`: smg registers the replicas a manifest lists, and
+    rereads it when it changes."""
+    urls = sorted(url for url, _ in fleet.replicas().values())
+    manifest = tmp_path / "workers.json"
+    manifest.write_text(json.dumps({"version": 1, "workers": [{"url": urls[0]}]}))
+    port = gateway.free_port()
+    router = ServerProcess(
+        [sys.executable, "-m", "nanoserve.cli", "router", "--discovery-file", str(manifest), "--port", str(port)]
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert _wait_healthy(router, url) == {urls[0]}
+        out = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0).completions.create(
+            model=MODEL, prompt="Discovered:", max_tokens=2
+        )
+        assert out.usage.completion_tokens == 2
+        manifest.write_text(json.dumps({"version": 1, "workers": [{"url": u} for u in urls]}))
+        assert _wait_healthy(router, url, len(urls)) == set(urls)
+    finally:
+        router.proc.send_signal(signal.SIGTERM)
+        if router.wait_exit(20) is None:
+            router.kill()
+
+
+def _wait_healthy(router: ServerProcess, url: str, count: int = 1, timeout_s: float = 60) -> set[str]:
+    """The gateway's healthy workers, once there are `count` of them."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            healthy = {w["url"] for w in httpx.get(url + "/workers", timeout=5).json()["workers"] if w["is_healthy"]}
+            if len(healthy) >= count:
+                return healthy
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        assert router.proc.poll() is None, router.log
+        time.sleep(0.2)
+    raise TimeoutError(router.log)
 
 
 def test_a_killed_replica_fails_only_its_requests_and_rejoins(fleet):
