@@ -345,6 +345,27 @@ def test_each_policy_routes_to_nanoserve(fleet, policy):
             router.kill()
 
 
+def test_bench_serve_through_the_gateway(fleet, tmp_path):
+    """The serving benchmark's multi-turn conversations and text prompts through smg (which
+    takes no token-id prompts): every turn is served and later turns hit the prefix cache."""
+    pytest.importorskip("aiohttp")
+    from nanoserve.bench import serving
+
+    def bench(*flags: str) -> dict:
+        out = tmp_path / "bench.json"
+        common = ["--base-url", fleet.url, "--api-key", KEY, "--model", MODEL, "--output-json", str(out)]
+        assert serving.main([*common, *flags]) == 0
+        (run,) = json.loads(out.read_text())["results"]
+        return run
+
+    run = bench("--dataset-name", "multiturn", "--num-conversations", "4", "--turns", "3", "--random-input-len", "60",
+                "--random-output-len", "4")  # fmt: skip
+    assert run["completed"] == 12 and run["failed"] == 0
+    assert run["prefix_hit_rate"] > 0.4, run["prefix_hit_rate"]  # turns 2 and 3 find their history
+    run = bench("--random-text", "--num-prompts", "4", "--random-input-len", "30", "--random-output-len", "3")
+    assert run["completed"] == 4 and run["total_output_tokens"] == 12
+
+
 def test_router_follows_a_discovery_file(fleet, tmp_path):
     """`nanoserve router --discovery-file`: smg registers the replicas a manifest lists, and
     rereads it when it changes."""

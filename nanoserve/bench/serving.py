@@ -9,6 +9,13 @@ latency; it reports mean/p50/p90/p99 of each plus request and token throughput. 
 (`--request-rate 4,8,16,32,inf`) make a sweep; `--output-png` then draws the latency curves
 (or later, without a server: `--plot-from RESULT.json --output-png PLOT.png`).
 
+`--dataset-name multiturn` runs conversations instead: `--num-conversations` of them at once,
+each `--turns` turns long, every turn's prompt the conversation so far (a text opening of about
+`--random-input-len` words, then each question and the answer the server gave) plus a new
+question, sent when the previous answer has arrived. It reports the prefix-cache hit rate
+(cached prompt tokens from `usage`, over all prompt tokens) beside TTFT: the workload that
+tells cache-aware routing across replicas from round robin.
+
 `--goodput TTFT_MS,TPOT_MS` adds each rate's SLO attainment (the share of requests, failed ones
 included, with TTFT and TPOT both within the bounds) and the goodput rate: the highest request
 rate up to which at least 90% of requests attain both. It is found by a sweep: the listed rates
@@ -72,12 +79,66 @@ class RequestResult:
     start: float = 0.0
     chunks: int = 0  # streamed chunks received before the end (or the failure)
     connection: str = ""  # "pooled" or "new": how the request went out (aiohttp's trace)
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage)
+    text: str = ""  # the streamed answer (a multi-turn conversation sends it back as history)
 
 
 # ------------------------------------------------------------------------------------------ datasets
 
 
-def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int):
+_WORDS = [
+    "river",
+    "stone",
+    "garden",
+    "market",
+    "winter",
+    "harbour",
+    "lantern",
+    "orchard",
+    "bridge",
+    "meadow",
+    "copper",
+    "signal",
+    "valley",
+    "forest",
+    "engine",
+    "window",
+    "letter",
+    "silver",
+    "thunder",
+    "island",
+    "castle",
+    "pepper",
+    "candle",
+    "mirror",
+    "shadow",
+    "ladder",
+    "basket",
+    "feather",
+    "planet",
+    "rocket",
+    "violin",
+    "pocket",
+    "marble",
+    "cotton",
+    "ticket",
+    "dragon",
+    "falcon",
+    "tunnel",
+    "canyon",
+    "saddle",
+    "anchor",
+    "needle",
+]
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+
+def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int, text=False):
+    """Token-id prompts of about input_len tokens, or with `text` prompts of input_len random
+    words (for gateways that take only text prompts, as smg does)."""
     rng = random.Random(seed)
 
     def length(mean: int) -> int:
@@ -88,6 +149,9 @@ def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, 
     for _ in range(n):
         ilen, olen = length(input_len), length(output_len)
         # Skip the lowest ids: they are often special tokens (BOS/EOS/pad) in real vocabularies.
+        if text:
+            specs.append(RequestSpec(_words(rng, ilen), ilen, olen))
+            continue
         ids = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(ilen)]
         specs.append(RequestSpec(ids, ilen, olen))
     return specs
@@ -195,6 +259,7 @@ async def send(session, base: str, model: str, spec: RequestSpec, temperature: f
                 now = time.perf_counter()
                 res.chunks += 1
                 if chunk.get("choices"):
+                    res.text += chunk["choices"][0].get("text") or ""
                     if last is None:
                         res.ttft = now - start
                     else:
@@ -203,6 +268,8 @@ async def send(session, base: str, model: str, spec: RequestSpec, temperature: f
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                     res.prompt_len = chunk["usage"]["prompt_tokens"]
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens") or 0
         res.e2e = time.perf_counter() - start
         res.ok = last is not None
         if not res.ok:
@@ -232,6 +299,30 @@ async def run_rate(session, base, model, specs, rate: float, max_concurrency: in
             await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
     results = await asyncio.gather(*tasks)
     return results, time.perf_counter() - t0, t0
+
+
+async def run_conversations(session, base, model, args, temperature):
+    """`--num-conversations` conversations at once, each `--turns` turns: every prompt is the
+    conversation so far plus a new question, sent when the previous answer has arrived."""
+    rng = random.Random(args.seed)
+    openings = [
+        f"Conversation {c}. Notes: {_words(rng, args.random_input_len)}." for c in range(args.num_conversations)
+    ]
+
+    async def conversation(history: str, crng: random.Random) -> list[RequestResult]:
+        out = []
+        for _turn in range(args.turns):
+            history += f"\nUser: tell me about the {_words(crng, 6)}.\nAssistant:"
+            res = await send(session, base, model, RequestSpec(history, 0, args.random_output_len), temperature)
+            out.append(res)
+            if not res.ok:
+                break  # the rest of this conversation has no history to build on
+            history += res.text
+        return out
+
+    t0 = time.perf_counter()
+    runs = await asyncio.gather(*(conversation(o, random.Random(args.seed * 1000 + i)) for i, o in enumerate(openings)))
+    return [r for run in runs for r in run], time.perf_counter() - t0, t0
 
 
 # ------------------------------------------------------------------------------------------ stats
@@ -272,6 +363,7 @@ def summarize(rate: float, results: list[RequestResult], duration: float, max_co
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "prefix_hit_rate": sum(r.cached_tokens for r in ok) / in_tokens if in_tokens else 0.0,
         "ttft_ms": _pcts([r.ttft for r in ok]),
         "tpot_ms": _pcts(tpot),
         "itl_ms": _pcts([x for r in ok for x in r.itl]),
@@ -340,7 +432,7 @@ def print_summary(s: dict) -> None:
         print(f"  failed (sent at {f['sent_s']:.2f} s): {f['error']} -- {f['cause']}")
     print(
         f"request throughput {s['request_throughput']:.2f} req/s, output {s['output_throughput']:.1f} tok/s, "
-        f"total {s['total_token_throughput']:.1f} tok/s"
+        f"total {s['total_token_throughput']:.1f} tok/s, prefix-cache hits {s.get('prefix_hit_rate', 0.0):.1%}"
     )
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         v = s[key]
@@ -438,11 +530,19 @@ async def amain(args) -> int:
 
         def random_specs(seed: int) -> list[RequestSpec]:
             return random_dataset(
-                args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, vocab, seed
+                args.num_prompts,
+                args.random_input_len,
+                args.random_output_len,
+                args.random_range_ratio,
+                vocab,
+                seed,
+                args.random_text,
             )
 
         if args.dataset == "random":
             specs = random_specs(args.seed)
+        elif args.dataset == "multiturn":
+            specs = [RequestSpec("Hello, a warm-up.", 0, args.random_output_len)]
         else:
             if not args.dataset_path:
                 raise SystemExit("--dataset sharegpt needs --dataset-path FILE.json")
@@ -462,7 +562,9 @@ async def amain(args) -> int:
             "model": model,
             "dataset": args.dataset,
             "dataset_path": args.dataset_path,
-            "num_prompts": len(specs),
+            "num_prompts": len(specs) if args.dataset != "multiturn" else args.num_conversations * args.turns,
+            "num_conversations": args.num_conversations if args.dataset == "multiturn" else None,
+            "turns": args.turns if args.dataset == "multiturn" else None,
             "random_input_len": args.random_input_len if args.dataset == "random" else None,
             "random_output_len": args.random_output_len if args.dataset == "random" else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -477,9 +579,13 @@ async def amain(args) -> int:
             if args.dataset == "random":
                 # Fresh prompts per rate: reusing them would turn later rates into prefix-cache hits.
                 specs = random_specs(args.seed + 1 + i)
-            results, duration, t0 = await run_rate(
-                session, base, model, specs, rate, args.max_concurrency, args.temperature, args.seed
-            )
+            if args.dataset == "multiturn":
+                args.seed += i  # fresh conversations per rate, for the same reason
+                results, duration, t0 = await run_conversations(session, base, model, args, args.temperature)
+            else:
+                results, duration, t0 = await run_rate(
+                    session, base, model, specs, rate, args.max_concurrency, args.temperature, args.seed
+                )
             summary = summarize(rate, results, duration, args.max_concurrency, t0)
             if slo is not None:
                 summary["slo_attainment"] = slo_attainment(results, *slo)
@@ -524,7 +630,11 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     ap.add_argument("--api-key", default=None)
-    ap.add_argument("--dataset-name", "--dataset", dest="dataset", choices=["random", "sharegpt"], default="random")
+    ap.add_argument(
+        "--dataset-name", "--dataset", dest="dataset", choices=["random", "sharegpt", "multiturn"], default="random"
+    )
+    ap.add_argument("--num-conversations", type=int, default=32, help="multiturn: conversations at once")
+    ap.add_argument("--turns", type=int, default=8, help="multiturn: turns per conversation")
     ap.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
     ap.add_argument("--sharegpt-output-len", type=int, default=None, help="override the reference answer lengths")
     ap.add_argument("--num-prompts", type=int, default=100)
@@ -532,6 +642,11 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--random-output-len", type=int, default=256)
     ap.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in mean*(1±ratio)")
     ap.add_argument("--vocab-size", type=int, default=None, help="token id range for random prompts")
+    ap.add_argument(
+        "--random-text",
+        action="store_true",
+        help="random: prompts of random words instead of token ids (smg accepts only text prompts)",
+    )
     ap.add_argument("--request-rate", default="inf", help="req/s, comma-separated for a sweep; inf = all at once")
     ap.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     ap.add_argument(
