@@ -78,7 +78,7 @@ def test_gpu_groups_are_disjoint_and_checked():
 
 def test_restarts_back_off_and_stop_after_the_budget():
     policy = RestartPolicy(max_restarts=3, window_s=100.0, first_delay_s=1.0, max_delay_s=3.0)
-    child = Supervised("x", ["true"], None, policy, "http://unused", launch=None)
+    child = Supervised("x", ["true"], None, policy, "http://unused")
     child.proc = subprocess.Popen(["true"], start_new_session=True)
     child.proc.wait()
     delays = []

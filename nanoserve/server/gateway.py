@@ -23,7 +23,6 @@ import argparse
 import importlib.util
 import os
 import socket
-import subprocess
 import sys
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "least_load", "prefix_hash", "random")
@@ -138,9 +137,3 @@ def _router(args: argparse.Namespace) -> int:
     # smg takes over this process: its signals, its exit code.
     os.execv(cmd[0], cmd)
     return 0  # not reached
-
-
-def run_gateway(cmd: list[str]) -> subprocess.Popen:
-    """smg as a child in its own session (so signals aimed at the terminal's group reach the
-    supervisor only, which stops it in order)."""
-    return subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)

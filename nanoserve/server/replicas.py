@@ -36,12 +36,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nanoserve.server.gateway import free_port, run_gateway, smg_command
+from nanoserve.server.gateway import free_port, smg_command
 
 logger = logging.getLogger("nanoserve.replicas")
 
@@ -122,7 +121,7 @@ def http_get_json(url: str, timeout_s: float = 1.0, api_key: str | None = None):
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
             return json.loads(resp.read() or b"null") if resp.status == 200 else None
-    except (OSError, ValueError, urllib.error.URLError):
+    except (OSError, ValueError):  # URLError is an OSError
         return None
 
 
@@ -164,7 +163,6 @@ class Supervised:
     env: dict[str, str] | None
     policy: RestartPolicy
     ready_url: str  # GET answers 200 once the child serves
-    launch: Callable[[list[str], dict[str, str] | None], subprocess.Popen] = field(default=None)
     proc: subprocess.Popen | None = None
     ever_ready: bool = False
     restarts: collections.deque = field(default_factory=collections.deque)  # monotonic times
@@ -173,7 +171,9 @@ class Supervised:
     terminated: bool = False
 
     def start(self) -> None:
-        self.proc = self.launch(self.cmd, self.env)
+        # Own session: a terminal's Ctrl-C reaches the supervisor only, which stops children in
+        # order, and everything the child forks stays findable (session_members).
+        self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, stdin=subprocess.DEVNULL)
         self.restart_at = None
         logger.info("%s started (pid %d)", self.name, self.proc.pid)
 
@@ -220,11 +220,6 @@ class Supervised:
         self.proc.wait()
 
 
-def _popen(cmd: list[str], env: dict[str, str] | None) -> subprocess.Popen:
-    # Own session: a terminal's Ctrl-C reaches the supervisor only, which stops children in order.
-    return subprocess.Popen(cmd, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
-
-
 class DataParallelServer:
     """The supervisor of `serve --dp N`: replicas, the gateway, restarts and shutdown."""
 
@@ -261,7 +256,6 @@ class DataParallelServer:
                     env,
                     self.restart,
                     f"http://127.0.0.1:{replica_port}/health",
-                    launch=_popen,
                 )
             )
         self.worker_urls = [r.ready_url.removesuffix("/health") for r in self.replicas]
@@ -275,7 +269,6 @@ class DataParallelServer:
             None,
             self.restart,
             f"{self.url}/workers",
-            launch=lambda c, _env: run_gateway(c),
         )
         self.policy = policy
         self.api_key = api_key  # the gateway's: its /workers listing needs it too
@@ -300,10 +293,10 @@ class DataParallelServer:
     def _run(self) -> int:
         for r in self.replicas:
             r.start()
-        if not self._wait(self._replicas_ready, "replicas"):
+        if not self._wait(self._replicas_ready):
             return 0 if self._stopping else 1
         self.gateway.start()
-        if not self._wait(self._gateway_ready, "gateway"):
+        if not self._wait(self._gateway_ready):
             return 0 if self._stopping else 1
         self.gateway.ever_ready = True
         logger.info(
@@ -325,7 +318,7 @@ class DataParallelServer:
             time.sleep(POLL_S)
         return 0
 
-    def _wait(self, ready: Callable[[], bool], what: str) -> bool:
+    def _wait(self, ready: Callable[[], bool]) -> bool:
         """Until ready() (True), a signal or a child's failure before it was ever ready (False)."""
         while not self._stopping:
             for child in [*self.replicas, self.gateway]:
