@@ -87,56 +87,21 @@ class RequestResult:
 
 
 _WORDS = [
-    "river",
-    "stone",
-    "garden",
-    "market",
-    "winter",
-    "harbour",
-    "lantern",
-    "orchard",
-    "bridge",
-    "meadow",
-    "copper",
-    "signal",
-    "valley",
-    "forest",
-    "engine",
-    "window",
-    "letter",
-    "silver",
-    "thunder",
-    "island",
-    "castle",
-    "pepper",
-    "candle",
-    "mirror",
-    "shadow",
-    "ladder",
-    "basket",
-    "feather",
-    "planet",
-    "rocket",
-    "violin",
-    "pocket",
-    "marble",
-    "cotton",
-    "ticket",
-    "dragon",
-    "falcon",
-    "tunnel",
-    "canyon",
-    "saddle",
-    "anchor",
-    "needle",
-]
+    "river", "stone", "garden", "market", "winter", "harbour", "lantern", "orchard", "bridge", "meadow",
+    "copper", "signal", "valley", "forest", "engine", "window", "letter", "silver", "thunder", "island",
+    "castle", "pepper", "candle", "mirror", "shadow", "ladder", "basket", "feather", "planet", "rocket",
+    "violin", "pocket", "marble", "cotton", "ticket", "dragon", "falcon", "tunnel", "canyon", "saddle",
+    "anchor", "needle"
+]  # fmt: skip
 
 
 def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
-def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int, text=False):
+def random_dataset(
+    n: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int, text: bool = False
+):
     """Token-id prompts of about input_len tokens, or with `text` prompts of input_len random
     words (for gateways that take only text prompts, as smg does)."""
     rng = random.Random(seed)
@@ -148,10 +113,10 @@ def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, 
     specs = []
     for _ in range(n):
         ilen, olen = length(input_len), length(output_len)
-        # Skip the lowest ids: they are often special tokens (BOS/EOS/pad) in real vocabularies.
         if text:
             specs.append(RequestSpec(_words(rng, ilen), ilen, olen))
             continue
+        # Skip the lowest ids: they are often special tokens (BOS/EOS/pad) in real vocabularies.
         ids = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(ilen)]
         specs.append(RequestSpec(ids, ilen, olen))
     return specs
@@ -301,10 +266,10 @@ async def run_rate(session, base, model, specs, rate: float, max_concurrency: in
     return results, time.perf_counter() - t0, t0
 
 
-async def run_conversations(session, base, model, args, temperature):
+async def run_conversations(session, base, model, args, temperature, seed: int):
     """`--num-conversations` conversations at once, each `--turns` turns: every prompt is the
     conversation so far plus a new question, sent when the previous answer has arrived."""
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
     openings = [
         f"Conversation {c}. Notes: {_words(rng, args.random_input_len)}." for c in range(args.num_conversations)
     ]
@@ -321,7 +286,7 @@ async def run_conversations(session, base, model, args, temperature):
         return out
 
     t0 = time.perf_counter()
-    runs = await asyncio.gather(*(conversation(o, random.Random(args.seed * 1000 + i)) for i, o in enumerate(openings)))
+    runs = await asyncio.gather(*(conversation(o, random.Random(seed * 1000 + i)) for i, o in enumerate(openings)))
     return [r for run in runs for r in run], time.perf_counter() - t0, t0
 
 
@@ -580,8 +545,10 @@ async def amain(args) -> int:
                 # Fresh prompts per rate: reusing them would turn later rates into prefix-cache hits.
                 specs = random_specs(args.seed + 1 + i)
             if args.dataset == "multiturn":
-                args.seed += i  # fresh conversations per rate, for the same reason
-                results, duration, t0 = await run_conversations(session, base, model, args, args.temperature)
+                # Fresh conversations per rate, for the same reason.
+                results, duration, t0 = await run_conversations(
+                    session, base, model, args, args.temperature, args.seed + i
+                )
             else:
                 results, duration, t0 = await run_rate(
                     session, base, model, specs, rate, args.max_concurrency, args.temperature, args.seed
