@@ -476,7 +476,7 @@ async def amain(args) -> int:
     # No client-side cap: the benchmark sets the load. By default a new connection per request,
     # so that no server's keep-alive timeout can close one as a request goes out on it (at
     # uvicorn's default of 5 s that failed 1 and 3 of 200 requests in two sweeps, 2026-11-26,
-    # ServerDisconnectedError; benchmarks/probes/keepalive_race.py). --pooled-connections
+    # ServerDisconnectedError; benchmarks/results/2026-11-28.md). --pooled-connections
     # keeps them as clients do, each idle at most --pool-idle seconds.
     if args.pooled_connections:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=args.pool_idle)
