@@ -36,6 +36,7 @@ class ForwardInputs:
     graph_bs: int | None = None  # padded size of the decode graph to replay, None: eager
     num_reqs: int = 0  # real requests (rows past it are padding)
     req_slots: torch.Tensor | None = None  # long [num_reqs]: each request's slot (rank 0 only, not broadcast)
+    req_slots_host: list[int] | None = None  # the same on the host (extend batches only)
     # Input ids still being sampled (rank 0 only): `ModelRunner.read_pending_tokens` reads them
     # from the token pool. It runs when the forward is launched, not when the inputs are
     # prepared, so a step can be prepared before the sampling that produces them is queued.

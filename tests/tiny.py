@@ -71,6 +71,37 @@ TINY_CONFIGS = {
             "original_max_position_embeddings": 32,
         },
     },
+    # Gated DeltaNet layers around a gated full-attention one (3 + 1 + 1: a linear layer after
+    # the full one too), more value heads than key heads, rope on a quarter of each head;
+    # prompts longer than the delta rule's 64-token chunks.
+    "qwen3.5": {
+        "model_type": "qwen3_5_text",
+        "num_hidden_layers": 5,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention", "linear_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+    },
+    # The MoE kin: every MLP sparse, with a gated shared expert.
+    "qwen3.5-moe": {
+        "model_type": "qwen3_5_moe_text",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+    },
 }
 # Architectures whose layers attend to a window only: their prompts outgrow it.
 WINDOWED = ("gemma3", "gpt-oss")

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.kernels.attention import CascadeInputs
+from nanoserve.kvcache.linear_state import LinearStates
 
 
 @dataclass
@@ -172,6 +173,8 @@ class ForwardBatch:
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
     token_pool: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Linear-attention layers' state rows (nanoserve.kvcache.linear_state); None without them.
+    linear_states: LinearStates | None = None
 
     def kv_sink(self, layer_id: int) -> KVSink:
         return KVSink(self.k_caches[layer_id], self.v_caches[layer_id], self.meta.slot_mapping, self.backend)

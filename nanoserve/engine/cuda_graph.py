@@ -172,7 +172,7 @@ class DecodeGraphs:
             max_seq_len=self.max_seq_len,
             cascade=cascade_inputs(v) if cascade else None,
         )
-        inputs = ForwardInputs(v["input_ids"], v["positions"], meta, None)
+        inputs = ForwardInputs(v["input_ids"], v["positions"], meta, None, req_slots=v["req_slots"])
         inputs.pool_index = v["pool_index"] if self.reads_pool else None
         return inputs
 
@@ -181,7 +181,7 @@ class DecodeGraphs:
         """Capture every graph by running `runner`'s forward on the static inputs."""
         dev = runner.device
         cfg = runner.model.config
-        attn = runner.model.layers[0].self_attn
+        attn = runner.model.attention_module
         reserve = getattr(runner.backend, "reserve_decode_workspace", None)
         if reserve is not None:
             cascade = self.has_cascade(self.max_bs)

@@ -74,6 +74,18 @@ def serve_worker_rank(config: EngineConfig) -> None:
     LLMEngine(config).runner.serve()
 
 
+def _for_linear_layers(config: EngineConfig) -> EngineConfig:
+    """The config for a model with linear-attention layers (Qwen3.5), whose per-request state
+    (nanoserve.kvcache.linear_state) the prefix cache cannot restore: prompts are recomputed,
+    the prefill graphs (which cut the forward at softmax attention only) stay off, and
+    speculative decoding, whose rejected drafts would have advanced the state, is refused."""
+    if config.speculative_config() is not None:
+        raise ValueError("speculative decoding is not supported for models with linear-attention layers (Qwen3.5)")
+    if config.enable_prefix_caching or config.piecewise_cuda_graphs:
+        log.info("linear-attention layers: prefix caching and piecewise prefill graphs are off")
+    return dataclasses.replace(config, enable_prefix_caching=False, piecewise_cuda_graphs=False)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         tp = init_tensor_parallel(config, serve_worker_rank)  # TP > 1: rank 0 spawns and joins the worker ranks
@@ -88,6 +100,8 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             source = dataclasses.replace(source, config=source.config.with_eos([self.tokenizer.eos_token_id]))
         cfg = source.config
+        if cfg.linear is not None:
+            self.config = config = _for_linear_layers(config)
         wanted_len = config.max_model_len or cfg.max_position_embeddings
         torch.manual_seed(config.seed)
         model = build_model(
@@ -123,6 +137,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.chunked_prefill_size,
             copy_page=self.runner.kv_cache.copy_page,
+            copy_slot_state=None if self.runner.linear_states is None else self.runner.linear_states.copy_row,
             page_table=PageTable(config.max_num_seqs, pages_for(self.max_model_len, plan.page_size)),
             prefix_cache=self.prefix_cache,
             mixed_budget=config.mixed_step_budget() if config.schedule_policy == "mixed" else None,
@@ -177,6 +192,14 @@ class LLMEngine:
             self.max_model_len,
             time.perf_counter() - started,
         )
+        # Layers without K/V (linear attention) leave their share of each token to the others:
+        # what the same pages would hold if every layer kept K/V.
+        self.kv_tokens_full_layout = plan.num_tokens * cfg.num_kv_layers // cfg.num_layers
+        if cfg.num_kv_layers < cfg.num_layers:
+            log.info(
+                "%d of %d layers keep K/V: %d tokens of KV cache, %d with every layer full attention",
+                cfg.num_kv_layers, cfg.num_layers, plan.num_tokens, self.kv_tokens_full_layout,
+            )  # fmt: skip
 
     def _warm_up(self) -> None:
         """Run a few requests through every kind of step before serving, so that the Triton
@@ -711,6 +734,7 @@ class LLMEngine:
             "request_slots_total": sched.max_num_seqs,
             "num_preemptions": sched.num_preemptions,
             "max_model_len": self.max_model_len,
+            "kv_tokens_full_layout": self.kv_tokens_full_layout,  # the same pages if every layer kept K/V
             "prefix_caching": cache is not None,
             "prefix_cache_query_tokens": cache.query_tokens if cache is not None else 0,
             "prefix_cache_hit_tokens": cache.hit_tokens if cache is not None else 0,

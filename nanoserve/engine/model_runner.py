@@ -23,6 +23,7 @@ from nanoserve.engine.cuda_graph import DecodeGraphs, cascade_inputs, decode_lay
 from nanoserve.engine.packed_inputs import PackedLayout
 from nanoserve.engine.piecewise_graph import PiecewiseGraphs, piecewise_sizes
 from nanoserve.kernels.norm import resolve_pending
+from nanoserve.kvcache.linear_state import LinearStatePool, LinearStates
 from nanoserve.kvcache.pool import KVCache
 from nanoserve.models.decoder import DecoderLM, kv_heads_per_rank
 from nanoserve.models.model_config import ModelConfig
@@ -45,18 +46,22 @@ def plan_kv_capacity(
 ) -> KVPlan:
     """How many pages the KV cache gets: an explicit size if given, else on CUDA
     `memory_fraction` of the memory free after the weights, on CPU 1 GiB. A token's bytes
-    include `extra_bytes_per_token` (a speculative drafter's KV on the same pages)."""
-    per_token = KVCache.bytes_per_token(model_cfg.num_layers, kv_heads, model_cfg.head_dim, dtype)
+    include `extra_bytes_per_token` (a speculative drafter's KV on the same pages); only
+    layers with K/V count. Linear-attention layers' states (one per request slot) come out of
+    the same budget first."""
+    per_token = KVCache.bytes_per_token(model_cfg.num_kv_layers, kv_heads, model_cfg.head_dim, dtype)
     per_token += extra_bytes_per_token
+    states = LinearStatePool.bytes_needed(model_cfg, config.max_num_seqs, dtype)
     if config.kv_cache_tokens is not None:
         tokens = config.kv_cache_tokens
     elif config.kv_cache_gib is not None:
-        tokens = int(config.kv_cache_gib * 2**30) // per_token
+        tokens = max(int(config.kv_cache_gib * 2**30) - states, 0) // per_token
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        tokens = int(free * config.memory_fraction) // per_token
+        tokens = max(int(free * config.memory_fraction) - states, 0) // per_token
     else:
-        tokens = min(int(CPU_DEFAULT_KV_GIB * 2**30) // per_token, CPU_MAX_DEFAULT_TOKENS)
+        budget = max(int(CPU_DEFAULT_KV_GIB * 2**30) - states, 0)
+        tokens = min(budget // per_token, CPU_MAX_DEFAULT_TOKENS)
     num_pages = tokens // config.page_size + 1
     if num_pages < 2:
         raise ValueError(f"KV cache too small: {tokens} tokens is less than one page of {config.page_size}")
@@ -80,7 +85,10 @@ class ModelRunner:
             cfg.head_dim,
             kv_dtype,
             device,
+            without_kv=frozenset(i for i in range(cfg.num_layers) if cfg.is_linear_layer(i)),
         )
+        # Linear-attention layers' per-request states (Qwen3.5), rows indexed by request slot.
+        self.linear_states = LinearStatePool(cfg, config.max_num_seqs, kv_dtype, device) if cfg.linear else None
         self.backend = get_backend(
             config.attention_backend, device, max_num_reqs=config.max_num_seqs, switches=config.switches
         )
@@ -92,7 +100,7 @@ class ModelRunner:
         # Cascade decode (nanoserve.attention.cascade): only where requests can share pages
         # (the prefix cache), with the Triton backend, at TP = 1 (its inputs are not part of
         # the tensor-parallel step message).
-        attn = model.layers[0].self_attn
+        attn = model.attention_module
         self.cascade_members = 0  # most requests per cascade work item; 0: cascade off
         self.cascade_target_items = 0
         if (
@@ -309,6 +317,7 @@ class ModelRunner:
         )
         logit_rows = None if all_rows else d["logit_rows"]  # may be empty: no row samples
         inputs = ForwardInputs(d["input_ids"], d["positions"], meta, logit_rows, None, n, d["req_slots"])
+        inputs.req_slots_host = slots.tolist()
         inputs.pending = self._pending_tokens(d, pending)
         return inputs
 
@@ -374,6 +383,8 @@ class ModelRunner:
             self.model.feature_sink.set_slots(inputs.meta.slot_mapping)
         pool = None if inputs.pool_index is None else (self.token_pool, inputs.pool_index)
         batch = ForwardBatch(inputs.meta, self.backend, self.kv_cache.k, self.kv_cache.v, pool)
+        if self.linear_states is not None:
+            batch.linear_states = self._linear_states(inputs)
         piecewise = self.uses_piecewise(inputs) if inputs.piecewise is None else inputs.piecewise
         if piecewise:
             if self.piecewise is None:
@@ -384,6 +395,16 @@ class ModelRunner:
         if inputs.logit_rows is not None:
             hidden = hidden[inputs.logit_rows]
         return self.model.compute_logits(hidden)
+
+    def _linear_states(self, inputs: ForwardInputs) -> LinearStates:
+        """The state row of each request of `inputs`: its slot's; a decode graph's padding rows
+        (sequence length 0) get the scratch row. A decode step's rows stay on the device (the
+        step may be a graph); other batches also name them on the host."""
+        pool, meta = self.linear_states, inputs.meta
+        if meta.is_decode:
+            scratch = torch.full_like(inputs.req_slots, pool.scratch_row)
+            return LinearStates(pool, torch.where(meta.seq_lens > 0, inputs.req_slots, scratch), None)
+        return LinearStates(pool, inputs.req_slots, inputs.req_slots_host)
 
     def forward(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
         return self.execute(self.prepare(batch, sample_rows))

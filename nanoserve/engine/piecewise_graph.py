@@ -113,7 +113,7 @@ class PiecewiseGraphs:
         self.sizes = sorted(sizes)
         self.max_tokens = self.sizes[-1]
         self.device = device
-        attn = model.layers[0].self_attn
+        attn = model.attention_module
         cfg = model.config
         n, d = self.max_tokens, attn.head_dim
 

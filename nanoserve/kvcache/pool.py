@@ -36,12 +36,18 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        without_kv: frozenset[int] = frozenset(),
     ):
+        """`without_kv`: layers that keep no K/V (linear attention): theirs are empty tensors."""
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        def cache(layer: int) -> torch.Tensor:
+            return torch.zeros(0 if layer in without_kv else shape, dtype=dtype, device=device)
+
+        self.k = [cache(i) for i in range(num_layers)]
+        self.v = [cache(i) for i in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -49,7 +55,8 @@ class KVCache:
 
     def copy_page(self, src: int, dst: int) -> None:
         for cache in (*self.k, *self.v):
-            cache[dst].copy_(cache[src])
+            if cache.numel():
+                cache[dst].copy_(cache[src])
 
 
 class OutOfPages(RuntimeError):

@@ -191,6 +191,12 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual, reduce_over=self.tp)
         return self.attention_inputs(positions, hidden, residual, rotary, kv_sink)
 
+    def mix(self, layer_id: int, batch: ForwardBatch, q, k, v) -> torch.Tensor:
+        """The layer's token mixing between its two pieces: attention over the cache (its new
+        K/V already stored through the layer's KV sink)."""
+        attn = self.self_attn
+        return batch.attend(layer_id, q, k, v, attn.scale, kv_stored=True, window=attn.window, sinks=attn.sinks)
+
     def attention_inputs(self, positions, normed, residual, rotary, kv_sink: KVSink | None = None) -> AttentionInputs:
         """The attention inputs of the input norm's output `normed` (see `before_attention`)."""
         return AttentionInputs(*self.self_attn.before_attention(positions, normed, rotary, kv_sink), residual)
@@ -231,11 +237,11 @@ class DecoderLM(nn.Module):
             raise ValueError(f"{cfg.model_type} needs its own decoder layer class, not {layer_class.__name__}")
         self.layers = nn.ModuleList(layer_class(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         # Sliding layers' own rope (Gemma 3: another base), else they share the global one.
         self.rotary_local = None
         if cfg.local_rope is not None:
-            self.rotary_local = RotaryEmbedding(cfg.head_dim, max_positions, *cfg.local_rope)
+            self.rotary_local = RotaryEmbedding(cfg.rope_dim, max_positions, *cfg.local_rope)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -281,7 +287,7 @@ class DecoderLM(nn.Module):
 
     def rotary_of(self, i: int) -> RotaryEmbedding:
         """Layer i's rotary embedding: the sliding layers' own where the model has one."""
-        if self.rotary_local is not None and self.layers[i].self_attn.window:
+        if self.rotary_local is not None and self.config.window_of(i):
             return self.rotary_local
         return self.rotary
 
@@ -292,6 +298,16 @@ class DecoderLM(nn.Module):
         if self.feature_sink is not None:
             self.feature_sink.write(i, inputs.residual)
         return inputs
+
+    @property
+    def attention_module(self) -> Attention:
+        """The first softmax-attention layer's module (every one has the same head counts;
+        a model may also have linear-attention layers, which have none)."""
+        return next(layer.self_attn for layer in self.layers if hasattr(layer, "self_attn"))
+
+    @property
+    def has_linear_layers(self) -> bool:
+        return self.config.linear is not None
 
     def attention_scale(self, i: int) -> float:
         return self.layers[i].self_attn.scale
@@ -310,7 +326,7 @@ class DecoderLM(nn.Module):
             q, k, v, residual = self.piece(
                 i, positions, input_ids, attn_out, residual, batch.kv_sink(i), batch.token_pool
             )
-            attn_out = batch.attend(i, q, k, v, self.attention_scale(i), kv_stored=True, **self.attention_kind(i))
+            attn_out = self.layers[i].mix(i, batch, q, k, v)
         return self.piece(len(self.layers), positions, input_ids, attn_out, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -328,6 +344,12 @@ class DecoderLM(nn.Module):
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
+        if self.config.linear is not None:
+            from nanoserve.models.qwen3_5 import checkpoint_target as qwen3_5_target
+
+            target = qwen3_5_target(name)
+            if target is not None:
+                return target
         if self.config.moe is not None:
             if self.config.moe.clamped_swiglu is not None:
                 from nanoserve.models.gpt_oss import checkpoint_target as gpt_oss_target

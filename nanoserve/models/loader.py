@@ -29,6 +29,9 @@ from nanoserve.models.gpt_oss import hf_shapes as gpt_oss_shapes
 from nanoserve.models.layers import ColumnParallelLinear, RowParallelLinear, init_unloaded
 from nanoserve.models.model_config import ModelConfig
 from nanoserve.models.moe import hf_moe_shapes
+from nanoserve.models.qwen3_5 import Qwen35DecoderLayer
+from nanoserve.models.qwen3_5 import hf_shapes as qwen3_5_shapes
+from nanoserve.models.qwen3_5 import text_checkpoint as qwen3_5_text_checkpoint
 from nanoserve.models.registry import ModelSource, gguf_metadata
 from nanoserve.switches import KernelSwitches
 
@@ -107,6 +110,10 @@ def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+        if cfg.linear is not None:  # Qwen3.5: its own mixers
+            shapes |= qwen3_5_shapes(cfg, i, p)
+            shapes |= _mlp_shapes(cfg, i, p)
+            continue
         for proj, rows in (
             ("q_proj", cfg.num_heads * d),
             ("k_proj", cfg.num_kv_heads * d),
@@ -123,13 +130,20 @@ def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
-        if cfg.is_moe_layer(i):
-            shapes |= gpt_oss_shapes(cfg, p) if cfg.moe.clamped_swiglu else hf_moe_shapes(cfg, p)
-            continue
-        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+        shapes |= _mlp_shapes(cfg, i, p)
     return shapes
+
+
+def _mlp_shapes(cfg: ModelConfig, i: int, p: str) -> dict[str, tuple[int, ...]]:
+    """Layer i's MLP tensors (`p`: "model.layers.{i}.")."""
+    h = cfg.hidden_size
+    if cfg.is_moe_layer(i):
+        return gpt_oss_shapes(cfg, p) if cfg.moe.clamped_swiglu else hf_moe_shapes(cfg, p)
+    return {
+        p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+        p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+        p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+    }
 
 
 # Dummy weights: gains over a unit base. Every matrix, the embedding and lm_head included,
@@ -167,7 +181,8 @@ def dummy_checkpoint(cfg: ModelConfig, seed: int, device: torch.device, dtype: t
             values = 1 + 0.1 * values
             if name == "model.norm.weight":
                 values = values * DUMMY_LOGIT_GAIN * tied_gain
-            values = values - cfg.norm_weight_offset  # the gain once the loader adds Gemma's offset back
+            if not name.endswith("linear_attn.norm.weight"):  # Qwen3.5's gated norm scales by its weight alone
+                values = values - cfg.norm_weight_offset  # the gain once the loader adds the offset back
         elif name.endswith((".bias", "_bias")):
             values = 0.1 * values
         elif name.endswith(".sinks"):  # logits of order one
@@ -257,7 +272,7 @@ def build_model(
         # FP8 linears are built on the meta device first and allocated once converted: the
         # model never takes its high-precision size on the device (a 70B model would not fit).
         with torch.device("meta" if fp8 else device):
-            layer_class = Gemma3DecoderLayer if cfg.sandwich_norms else DecoderLayer
+            layer_class = _layer_class(cfg)
             model = DecoderLM(cfg, max_positions=max_positions, tp=tp, switches=switches, layer_class=layer_class)
             if fp8:
                 _use_fp8(model, scheme or online)
@@ -278,6 +293,8 @@ def build_model(
         checkpoint = mxfp4.dequantized(checkpoint, dtype)
     if cfg.model_type == "gemma3_text":
         checkpoint = text_checkpoint(checkpoint)
+    if cfg.linear is not None:
+        checkpoint = qwen3_5_text_checkpoint(checkpoint)
     if scheme is not None:
         checkpoint = quant.fp8_tensors(checkpoint, scheme) if keep else quant.dequantized(checkpoint, scheme, dtype)
     elif online is not None:
@@ -285,6 +302,12 @@ def build_model(
     with torch.no_grad():
         load_weights(model, checkpoint)
     return model.eval()
+
+
+def _layer_class(cfg: ModelConfig) -> type[DecoderLayer]:
+    if cfg.linear is not None:
+        return Qwen35DecoderLayer
+    return Gemma3DecoderLayer if cfg.sandwich_norms else DecoderLayer
 
 
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

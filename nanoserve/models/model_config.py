@@ -31,6 +31,33 @@ _FAMILIES = {
 }
 _MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 LAYER_KINDS = ("full_attention", "sliding_attention")
+LINEAR_KIND = "linear_attention"  # Qwen3.5's Gated DeltaNet layers (that family only)
+_QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Qwen3.5's Gated DeltaNet layers: a short causal convolution over the q/k/v channels,
+    then the gated delta rule with a state [head_k_dim, head_v_dim] per value head (each key
+    head serves num_v_heads / num_k_heads value heads)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:  # the convolved channels: q, k and v
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -109,6 +136,12 @@ class ModelConfig:
     sandwich_norms: bool = False  # Gemma: norms after attention and MLP as well as before
     attention_sinks: bool = False  # gpt-oss: a learned sink logit per query head
     o_bias: bool = False  # a bias on the attention output projection (gpt-oss)
+    # Qwen3.5: Gated DeltaNet layers (LINEAR_KIND in layer_types), rope on the first
+    # `rotary_dim` dims of each head only, and full attention whose output is gated per
+    # channel by sigmoid of a second half of q_proj's rows.
+    linear: LinearAttentionConfig | None = None
+    rotary_dim: int = 0  # 0: head_dim
+    attn_output_gate: bool = False
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
@@ -118,6 +151,8 @@ class ModelConfig:
             return _gemma3_config(cfg, name)
         if model_type == "gpt_oss":
             return _gpt_oss_config(cfg, name)
+        if model_type in _QWEN3_5_TYPES:
+            return _qwen3_5_config(cfg, name)
         if model_type not in _FAMILIES:
             raise ValueError(
                 f"unsupported model_type {model_type!r}: nanoserve runs {sorted(_FAMILIES)} "
@@ -178,6 +213,20 @@ class ModelConfig:
             sliding_window=int(window or 0),
             hf_config=dict(cfg),
         )
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of each head that rope rotates (the first ones)."""
+        return self.rotary_dim or self.head_dim
+
+    def is_linear_layer(self, i: int) -> bool:
+        """Whether layer i is a linear-attention (Gated DeltaNet) layer: no KV cache."""
+        return bool(self.layer_types) and self.layer_types[i] == LINEAR_KIND
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K/V per token (all but linear-attention ones)."""
+        return sum(not self.is_linear_layer(i) for i in range(self.num_layers))
 
     def window_of(self, i: int) -> int:
         """Layer i's sliding window in positions (0: full attention)."""
@@ -242,13 +291,15 @@ def _sizes(cfg: dict, layers: int, heads: int, hidden: int, defaults: dict) -> d
     }
 
 
-def _layer_types(cfg: dict, num_layers: int, default: list[str]) -> tuple[str, ...]:
+def _layer_types(
+    cfg: dict, num_layers: int, default: list[str], allowed: tuple[str, ...] = LAYER_KINDS
+) -> tuple[str, ...]:
     """The config's per-layer attention kinds (or `default`), checked: every entry one of
-    LAYER_KINDS, one per layer."""
+    `allowed`, one per layer."""
     kinds = cfg.get("layer_types") or default
-    bad = sorted({k for k in kinds if k not in LAYER_KINDS})
+    bad = sorted({k for k in kinds if k not in allowed})
     if bad:
-        raise ValueError(f"unsupported layer_types entries {bad}: nanoserve runs {list(LAYER_KINDS)}")
+        raise ValueError(f"unsupported layer_types entries {bad}: nanoserve runs {list(allowed)} for this family")
     if len(kinds) != num_layers:
         raise ValueError(f"layer_types has {len(kinds)} entries for {num_layers} layers")
     return tuple(kinds)
@@ -361,5 +412,73 @@ def _gpt_oss_config(cfg: dict, name: str) -> ModelConfig:
         sliding_window=int(cfg.get("sliding_window") or 128),
         attention_sinks=True,
         o_bias=bias,
+        hf_config=dict(cfg),
+    )
+
+
+def _qwen3_5_config(cfg: dict, name: str) -> ModelConfig:
+    """Qwen3.5, dense and MoE: three Gated DeltaNet layers to each gated full-attention one
+    (`full_attention_interval`), rope on a quarter of each head (for text the multimodal rope's
+    three position axes coincide: plain rope), norms that scale by 1 + weight. A multimodal
+    `qwen3_5` / `qwen3_5_moe` config serves its text part. Defaults as transformers'."""
+    multimodal = cfg.get("model_type") in ("qwen3_5", "qwen3_5_moe")
+    text = dict(cfg.get("text_config") or {}) if multimodal else dict(cfg)
+    if multimodal:
+        for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+            if key not in text and key in cfg:
+                text[key] = cfg[key]
+    moe = "moe" in cfg.get("model_type", "")
+    if text.get("attention_bias"):
+        raise ValueError("attention_bias=True is not supported for Qwen3.5")
+    layers = text.get("num_hidden_layers", 40 if moe else 32)
+    interval = text.get("full_attention_interval", 4)
+    default_kinds = [LINEAR_KIND if (i + 1) % interval else "full_attention" for i in range(layers)]
+    kinds = _layer_types(text, layers, default_kinds, allowed=("full_attention", LINEAR_KIND))
+    heads = text.get("num_attention_heads", 16)
+    hidden = text.get("hidden_size", 2048 if moe else 4096)
+    params = dict(text.get("rope_parameters") or {})
+    factor = float(params.pop("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+    for key in ("mrope_section", "mrope_interleaved"):
+        params.pop(key, None)
+    rope_src = {"rope_parameters": params} if "rope_theta" in params else {}
+    theta, scaling = _rope_fields(rope_src or text, default_theta=10_000.0)
+    defaults = {"num_key_value_heads": 2 if moe else 4, "head_dim": 256, "vocab_size": 248_320}
+    defaults |= {"intermediate_size": 0 if moe else 12288, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    sizes = _sizes(text, layers, heads, hidden, defaults)
+    experts = None
+    if moe:
+        experts = MoEConfig(
+            num_experts=int(text.get("num_experts", 256)),
+            top_k=int(text.get("num_experts_per_tok", 8)),
+            renormalize=True,  # the router always divides the top-k weights by their sum
+            intermediate_size=int(text.get("moe_intermediate_size", 512)),
+            shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 512)),
+            every_layer=True,
+        )
+        if not 1 <= experts.top_k <= experts.num_experts:
+            raise ValueError(f"num_experts_per_tok {experts.top_k} must be between 1 and num_experts")
+    linear = LinearAttentionConfig(
+        num_k_heads=int(text.get("linear_num_key_heads", 16)),
+        num_v_heads=int(text.get("linear_num_value_heads", 32)),
+        head_k_dim=int(text.get("linear_key_head_dim", 128)),
+        head_v_dim=int(text.get("linear_value_head_dim", 128)),
+        conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+    )
+    if linear.num_v_heads % linear.num_k_heads:
+        raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    return ModelConfig(
+        name=name,
+        model_type="qwen3_5_moe_text" if moe else "qwen3_5_text",
+        **sizes,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=False,
+        qk_norm=True,
+        moe=experts,
+        layer_types=kinds,
+        norm_weight_offset=1.0,
+        linear=linear,
+        rotary_dim=int(sizes["head_dim"] * factor),
+        attn_output_gate=True,
         hf_config=dict(cfg),
     )

