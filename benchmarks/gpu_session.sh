@@ -63,6 +63,10 @@ for s in ${STAGES:-tests offline latency}; do
         stage "steps[$v]" 120 env $(echo "$v" | tr ',' ' ' | sed 's/^default$//') python benchmarks/probes/microbatch_overlap.py --whole
       done ;;
     latency_qwen) stage latency_qwen 120 python benchmarks/latency.py --models qwen3-0.6b ;;
+    tests_linear) stage tests_linear 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_linear_attention.py ;;
+    latency_linear) stage latency_linear ${T_LINEAR:-300} python benchmarks/latency.py --models qwen3.5-9b qwen3.5-35b-a3b --repeats 2 ;;
+    tests_spec) stage tests_spec 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_speculative.py tests/test_gpu_eagle3.py ;;
+    eagle3) stage eagle3 150 python benchmarks/probes/eagle3_step.py --model llama-3.1-8b --draft-vocab 32000 --k 4 ;;
     profile) stage profile 400 python benchmarks/probes/profile_offline.py ;;
     host) stage host ${T_HOST:-200} python benchmarks/probes/host_overhead.py --model ${HOST_MODEL:-qwen3-0.6b} $HOST_ARGS ;;
     spread) stage spread 300 python benchmarks/offline_throughput.py --repeat ${REPEAT:-4} ;;
