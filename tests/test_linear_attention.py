@@ -6,6 +6,8 @@ greedy comparison is tests/test_models_vs_hf.py's."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,6 +91,48 @@ def test_convolution_in_pieces_equals_whole():
     states = zero[None].clone()
     steps = [gated_delta.causal_conv_step(x[t : t + 1], weight, states)[0] for t in range(9)]
     torch.testing.assert_close(torch.stack(steps), whole)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels: a GPU, or the interpreter (conftest sets it without a GPU)",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernels_match_the_torch_step(dtype):
+    """`decode_step` (three Triton launches) against the torch step on the same pools: three
+    sequences at scattered rows, one starting at position 0 over a row of garbage (NaN), the
+    inputs as views of one projection; a value head dim below the kernel's block (masks)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(7)
+    hk, hv, dk, dv, width = 2, 4, 16, 8, 4
+    channels, vdim = 2 * hk * dk + hv * dv, hv * dv
+    proj = torch.randn(3, channels + vdim + 2 * hv, generator=gen).to(dev, dtype)
+    qkv, z, ba = proj.split([channels, vdim, 2 * hv], dim=-1)
+    weight = (torch.randn(channels, width, generator=gen) * 0.5).to(dev, dtype)
+    a_log, dt_bias = torch.randn(hv, generator=gen).to(dev), torch.randn(hv, generator=gen).to(dev)
+    norm_w = (1 + 0.1 * torch.randn(dv, generator=gen)).to(dev, dtype)
+    conv = torch.randn(5, channels, width - 1, generator=gen).to(dev, dtype)
+    rec = torch.randn(5, hv, dk, dv, generator=gen).to(dev) * 0.3
+    rows = torch.tensor([2, 0, 3], device=dev)
+    prefix = torch.tensor([5, 0, 7], dtype=torch.int32, device=dev)
+    conv[0], rec[0] = float("nan"), float("nan")  # a new request's row holds anything
+    conv_ref, rec_ref = conv.clone(), rec.clone()
+    out = gated_delta.decode_step(qkv, z, ba, weight, a_log, dt_bias, norm_w, 1e-6, conv, rec, rows, prefix, hk, dk)
+
+    fresh = (prefix == 0)[:, None, None]
+    c = conv_ref[rows].masked_fill(fresh, 0)
+    x = gated_delta.causal_conv_step(qkv, weight, c)
+    q, k, v = x.split([hk * dk, hk * dk, vdim], dim=-1)
+    b, a = ba.split(hv, dim=-1)
+    g = -a_log.exp() * F.softplus(a.float() + dt_bias)
+    r = rec_ref[rows].masked_fill(fresh[..., None], 0)
+    o = gated_delta.delta_rule_step(q.view(3, hk, dk), k.view(3, hk, dk), v.view(3, hv, dv), g, b.float().sigmoid(), r)
+    want = gated_delta.gated_rms_norm(o.to(dtype).view(-1, dv), z.reshape(-1, dv), norm_w, 1e-6).view(3, vdim)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.05}
+    torch.testing.assert_close(out, want, **tol)
+    torch.testing.assert_close(conv[rows], c, **tol)
+    torch.testing.assert_close(rec[rows], r, **tol)
+    assert torch.equal(conv[[1, 4]], conv_ref[[1, 4]]) and torch.equal(rec[[1, 4]], rec_ref[[1, 4]])
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +239,7 @@ def test_kv_capacity_against_a_full_layout(qwen35):
     times the tokens of a layout where every layer keeps K/V (the tiny model: 1 of 5)."""
     llm = LLM(str(qwen35[0]), device="cpu", kv_cache_gib=0.01, max_num_seqs=4, page_size=16)
     cfg = llm.engine.model_config
-    state = LinearStatePool.bytes_needed(cfg, 4, torch.float32)
+    state = LinearStatePool.bytes_needed(cfg.linear_state_shape, 4, torch.float32)
     lin = cfg.linear
     assert state == 4 * 5 * (lin.conv_dim * 3 * 4 + 4 * 16 * 16 * 4)  # 4 linear layers, 4 + 1 rows
     per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of the one full-attention layer

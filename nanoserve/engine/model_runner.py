@@ -51,7 +51,7 @@ def plan_kv_capacity(
     the same budget first."""
     per_token = KVCache.bytes_per_token(model_cfg.num_kv_layers, kv_heads, model_cfg.head_dim, dtype)
     per_token += extra_bytes_per_token
-    states = LinearStatePool.bytes_needed(model_cfg, config.max_num_seqs, dtype)
+    states = LinearStatePool.bytes_needed(model_cfg.linear_state_shape, config.max_num_seqs, dtype)
     if config.kv_cache_tokens is not None:
         tokens = config.kv_cache_tokens
     elif config.kv_cache_gib is not None:
@@ -88,7 +88,8 @@ class ModelRunner:
             without_kv=frozenset(i for i in range(cfg.num_layers) if cfg.is_linear_layer(i)),
         )
         # Linear-attention layers' per-request states (Qwen3.5), rows indexed by request slot.
-        self.linear_states = LinearStatePool(cfg, config.max_num_seqs, kv_dtype, device) if cfg.linear else None
+        shape = cfg.linear_state_shape
+        self.linear_states = LinearStatePool(shape, config.max_num_seqs, kv_dtype, device) if shape else None
         self.backend = get_backend(
             config.attention_backend, device, max_num_reqs=config.max_num_seqs, switches=config.switches
         )

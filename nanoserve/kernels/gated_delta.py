@@ -31,6 +31,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.launch import INTERPRET
 
 CHUNK = 64
 
@@ -125,3 +129,132 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     return (weight * normed * F.silu(gate.float())).to(dtype)
+
+
+# ---- Triton: the decode step in three launches --------------------------------------------
+# The torch step above is some fifty small kernels per layer (a decode graph of qwen3.5-9b at
+# batch 1 ran at 58% of its weights floor with it, 2026-11-28); the same step as three:
+# the convolution (state shift included), the delta rule (decay, write strength, norms and the
+# state update of one value head's block of columns per program), and the gated norm.
+
+
+@triton.jit
+def _conv_step_kernel(
+    x_ptr, w_ptr, state_ptr, rows_ptr, prefix_ptr, out_ptr, C, stride_x, stride_row,
+    W: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One input per sequence through the causal convolution and SiLU; the state row of the
+    sequence shifts by one (zeros first where the sequence starts at position 0)."""
+    b = tl.program_id(0)
+    ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = ch < C
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    keep = tl.load(prefix_ptr + b) != 0  # else the sequence starts here: its old row is garbage
+    x = tl.load(x_ptr + b * stride_x + ch, mask=mask, other=0.0).to(tl.float32)
+    base = state_ptr + row * stride_row + ch * (W - 1)
+    acc = x * tl.load(w_ptr + ch * W + (W - 1), mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(W - 1):
+        s = tl.where(keep, tl.load(base + j, mask=mask, other=0.0).to(tl.float32), 0.0)
+        acc += s * tl.load(w_ptr + ch * W + j, mask=mask, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(base + j - 1, s.to(state_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + W - 2, x.to(state_ptr.dtype.element_ty), mask=mask)
+    x_out = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the torch step's conv output
+    tl.store(out_ptr + b * C + ch, (x_out / (1.0 + tl.exp(-x_out))).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _delta_step_kernel(
+    x_ptr, ba_ptr, a_log_ptr, dt_bias_ptr, state_ptr, rows_ptr, prefix_ptr, out_ptr,
+    stride_ba, stride_row, HV, KEY_DIM, scale,
+    DK: tl.constexpr, DV: tl.constexpr, REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """Value head h, columns [vb * BV, (vb + 1) * BV) of one sequence's state: decay, the delta
+    write, and the output o = S^T q of those columns."""
+    b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    keep = tl.load(prefix_ptr + b) != 0
+    hk = h // REP
+    rk = tl.arange(0, BK)
+    rv = vb * BV + tl.arange(0, BV)
+    mk, mv = rk < DK, rv < DV
+    xb = x_ptr + b * (2 * KEY_DIM + HV * DV)
+    q = tl.load(xb + hk * DK + rk, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(xb + KEY_DIM + hk * DK + rk, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(xb + 2 * KEY_DIM + h * DV + rv, mask=mv, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+    b_in = tl.load(ba_ptr + b * stride_ba + h).to(tl.float32)
+    a_in = tl.load(ba_ptr + b * stride_ba + HV + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(a_in > 20.0, a_in, tl.log(1.0 + tl.exp(a_in)))
+    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus)
+    beta = 1.0 / (1.0 + tl.exp(-b_in))
+    ptrs = state_ptr + row * stride_row + h * DK * DV + rk[:, None] * DV + rv[None, :]
+    m2 = mk[:, None] & mv[None, :]
+    s = tl.where(keep, tl.load(ptrs, mask=m2, other=0.0), 0.0) * decay
+    write = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    s += k[:, None] * write[None, :]
+    tl.store(ptrs, s, mask=m2)
+    o = tl.sum(s * q[:, None], axis=0)
+    tl.store(out_ptr + (b * HV + h) * DV + rv, o.to(out_ptr.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, stride_z, HV, eps, DV: tl.constexpr, BV: tl.constexpr):
+    """One row (a sequence's value head) of the gated RMSNorm, rounded as `gated_rms_norm`."""
+    r = tl.program_id(0)
+    b, h = r // HV, r % HV
+    rv = tl.arange(0, BV)
+    m = rv < DV
+    o = tl.load(o_ptr + r * DV + rv, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + b * stride_z + h * DV + rv, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + rv, mask=m, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    # products in fp32, rounded to dtype where the torch twin's 16-bit ops round
+    normed = (o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps)).to(dtype).to(tl.float32)
+    y = (w * normed).to(dtype).to(tl.float32) * (z / (1.0 + tl.exp(-z)))
+    tl.store(out_ptr + r * DV + rv, y.to(dtype), mask=m)
+
+
+def decode_step(
+    qkv: torch.Tensor,
+    z: torch.Tensor,
+    ba: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    conv_states: torch.Tensor,
+    rec_states: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+) -> torch.Tensor:
+    """The whole decode step of a Gated DeltaNet layer after its input projection, in three
+    launches: qkv [B, C] (before the convolution), z [B, Hv*Dv], ba [B, 2Hv] (rows may be views
+    of one projection), the conv weight [C, W]; the state pools [rows, ...] updated in place at
+    `rows` [B] (from zeros where `prefix_lens` is 0). Returns the gated norm's output
+    [B, Hv*Dv]; the same as the torch step (`causal_conv_step`, `delta_rule_step`,
+    `gated_rms_norm`) up to rounding."""
+    batch, channels = qkv.shape
+    hv, dk, dv = rec_states.shape[1], head_k_dim, rec_states.shape[3]
+    width = conv_weight.shape[1]
+    x = torch.empty(batch, channels, dtype=qkv.dtype, device=qkv.device)
+    block = 256 if INTERPRET else 1024
+    _conv_step_kernel[(batch, triton.cdiv(channels, block))](
+        qkv, conv_weight, conv_states, rows, prefix_lens, x, channels, qkv.stride(0), conv_states.stride(0),
+        W=width, BLOCK=block,
+    )  # fmt: skip
+    o = torch.empty(batch, hv, dv, dtype=qkv.dtype, device=qkv.device)
+    bk, bv = triton.next_power_of_2(dk), min(32, triton.next_power_of_2(dv))
+    _delta_step_kernel[(batch, hv, triton.cdiv(dv, bv))](
+        x, ba, a_log, dt_bias, rec_states, rows, prefix_lens, o, ba.stride(0), rec_states.stride(0), hv,
+        num_k_heads * dk, dk**-0.5, DK=dk, DV=dv, REP=hv // num_k_heads, BK=bk, BV=bv, num_warps=4,
+    )  # fmt: skip
+    out = torch.empty(batch, hv * dv, dtype=qkv.dtype, device=qkv.device)
+    _gated_norm_kernel[(batch * hv,)](
+        o, z, norm_weight, out, z.stride(0), hv, eps, DV=dv, BV=triton.next_power_of_2(dv), num_warps=1
+    )
+    return out

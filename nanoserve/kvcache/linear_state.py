@@ -23,31 +23,37 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.models.model_config import ModelConfig
+
+@dataclass(frozen=True)
+class StateShape:
+    """What the pool needs of a model: its linear layers and their state sizes."""
+
+    layers: tuple[int, ...]  # the model's linear-attention layers
+    conv_dim: int
+    conv_kernel: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
 
 
 class LinearStatePool:
-    def __init__(self, cfg: ModelConfig, max_num_seqs: int, dtype: torch.dtype, device: torch.device):
-        lin = cfg.linear
+    def __init__(self, shape: StateShape, max_num_seqs: int, dtype: torch.dtype, device: torch.device):
         self.rows = max_num_seqs + 1
         self.scratch_row = max_num_seqs
-        layers = [i for i in range(cfg.num_layers) if cfg.is_linear_layer(i)]
-        self.index = {layer: j for j, layer in enumerate(layers)}  # model layer -> state entry
-        conv = (self.rows, lin.conv_dim, lin.conv_kernel - 1)
-        rec = (self.rows, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim)
-        self.conv = [torch.zeros(conv, dtype=dtype, device=device) for _ in layers]
-        self.recurrent = [torch.zeros(rec, dtype=torch.float32, device=device) for _ in layers]
+        self.index = {layer: j for j, layer in enumerate(shape.layers)}  # model layer -> state entry
+        conv = (self.rows, shape.conv_dim, shape.conv_kernel - 1)
+        rec = (self.rows, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim)
+        self.conv = [torch.zeros(conv, dtype=dtype, device=device) for _ in shape.layers]
+        self.recurrent = [torch.zeros(rec, dtype=torch.float32, device=device) for _ in shape.layers]
 
     @staticmethod
-    def bytes_needed(cfg: ModelConfig, max_num_seqs: int, dtype: torch.dtype) -> int:
-        """Device bytes of the pool for `cfg` (0 without linear layers)."""
-        lin = cfg.linear
-        if lin is None:
+    def bytes_needed(shape: StateShape | None, max_num_seqs: int, dtype: torch.dtype) -> int:
+        """Device bytes of the pool (0 without linear layers)."""
+        if shape is None:
             return 0
-        layers = sum(cfg.is_linear_layer(i) for i in range(cfg.num_layers))
-        conv = lin.conv_dim * (lin.conv_kernel - 1) * torch.tensor([], dtype=dtype).element_size()
-        rec = lin.num_v_heads * lin.head_k_dim * lin.head_v_dim * 4
-        return layers * (max_num_seqs + 1) * (conv + rec)
+        conv = shape.conv_dim * (shape.conv_kernel - 1) * torch.tensor([], dtype=dtype).element_size()
+        rec = shape.num_v_heads * shape.head_k_dim * shape.head_v_dim * 4
+        return len(shape.layers) * (max_num_seqs + 1) * (conv + rec)
 
     def copy_row(self, src: int, dst: int) -> None:
         for state in (*self.conv, *self.recurrent):

@@ -344,12 +344,6 @@ class DecoderLM(nn.Module):
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
-        if self.config.linear is not None:
-            from nanoserve.models.qwen3_5 import checkpoint_target as qwen3_5_target
-
-            target = qwen3_5_target(name)
-            if target is not None:
-                return target
         if self.config.moe is not None:
             if self.config.moe.clamped_swiglu is not None:
                 from nanoserve.models.gpt_oss import checkpoint_target as gpt_oss_target
@@ -365,6 +359,11 @@ class DecoderLM(nn.Module):
             ("self_attn.v_proj", "self_attn.qkv_proj", "v"),
             ("mlp.gate_proj", "mlp.gate_up_proj", "gate"),
             ("mlp.up_proj", "mlp.gate_up_proj", "up"),
+            # Qwen3.5's Gated DeltaNet input projections (nanoserve.models.qwen3_5)
+            ("linear_attn.in_proj_qkv", "linear_attn.in_proj", "qkv"),
+            ("linear_attn.in_proj_z", "linear_attn.in_proj", "z"),
+            ("linear_attn.in_proj_b", "linear_attn.in_proj", "b"),
+            ("linear_attn.in_proj_a", "linear_attn.in_proj", "a"),
         ):
             if src in name:
                 return name.replace(src, dst), shard

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanoserve.kvcache.linear_state import StateShape
+
 # model_type -> (our decoder family, bias on q/k/v, per-head q/k RMSNorm)
 _FAMILIES = {
     "llama": ("llama", False, False),
@@ -222,6 +224,15 @@ class ModelConfig:
     def is_linear_layer(self, i: int) -> bool:
         """Whether layer i is a linear-attention (Gated DeltaNet) layer: no KV cache."""
         return bool(self.layer_types) and self.layer_types[i] == LINEAR_KIND
+
+    @property
+    def linear_state_shape(self) -> StateShape | None:
+        """What the linear layers' state pool holds (nanoserve.kvcache.linear_state); None without them."""
+        lin = self.linear
+        if lin is None:
+            return None
+        layers = tuple(i for i in range(self.num_layers) if self.is_linear_layer(i))
+        return StateShape(layers, lin.conv_dim, lin.conv_kernel, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim)
 
     @property
     def num_kv_layers(self) -> int:

@@ -2,7 +2,7 @@
 multimodal `qwen3_5` / `qwen3_5_moe` checkpoints).
 
 Owns: `Qwen35DecoderLayer` and its two token mixers, `GatedDeltaNet` (linear attention) and
-`GatedAttention`, and the checkpoint names they add. What Qwen3.5 shares with the other
+`GatedAttention`, and their checkpoint tensors' shapes (decoder.py maps their names). What Qwen3.5 shares with the other
 decoders (norms that scale by 1 + weight, the gated MLP or the sparse MoE block with a gated
 shared expert, the residual flow) comes from nanoserve/models/decoder.py and moe.py; the
 architecture's numbers from `ModelConfig` (`linear`, `rotary_dim`, `attn_output_gate`).
@@ -33,7 +33,14 @@ from nanoserve.attention.base import ForwardBatch, KVSink
 from nanoserve.distributed import TPGroup
 from nanoserve.kernels import gated_delta
 from nanoserve.models.decoder import Attention, AttentionInputs, DecoderLayer, _mlp_block
-from nanoserve.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, RowSlice
+from nanoserve.models.layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    RowSlice,
+    _SwitchedLayer,
+)
 from nanoserve.models.model_config import ModelConfig
 
 
@@ -71,7 +78,7 @@ class GatedAttention(Attention):
         return out * torch.sigmoid(q_gate[..., d:])
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(_SwitchedLayer):
     """Linear attention: one input projection (the q/k/v channels, the gate z, the write
     strength b and the decay input a), a causal depthwise convolution with SiLU over the q/k/v
     channels, the gated delta rule (nanoserve.kernels.gated_delta), an RMSNorm gated by
@@ -107,10 +114,15 @@ class GatedDeltaNet(nn.Module):
         entry = states.pool.index[self.layer_id]
         conv_states, rec_states = states.pool.conv[entry], states.pool.recurrent[entry]
         weight = self.conv1d.weight[:, 0, :]
+        meta = batch.meta
+        if states.rows_host is None and qkv.is_cuda and self.switches.triton_ops:  # decode in three launches
+            return gated_delta.decode_step(
+                qkv, z, ba, weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, conv_states,
+                rec_states, states.rows, meta.prefix_lens, lin.num_k_heads, lin.head_k_dim,
+            )  # fmt: skip
         b, a = ba.split(lin.num_v_heads, dim=-1)
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        meta = batch.meta
         if states.rows_host is None:  # decode: one token per row, shapes fixed (graph-safe)
             rows = states.rows
             fresh = (meta.prefix_lens == 0)[:, None, None]  # a request at position 0 starts from zeros
@@ -186,16 +198,6 @@ class Qwen35DecoderLayer(DecoderLayer):
         hidden = self.mixer.after_attention(attn_out)
         hidden, residual = self.post_attention_layernorm(hidden, residual, reduce_over=self.tp)
         return self.mlp(hidden), residual
-
-
-def checkpoint_target(name: str) -> tuple[str, str | None] | None:
-    """Our (parameter name, shard) of a Gated DeltaNet tensor (names without "model."), or None
-    for other tensors."""
-    for part in ("qkv", "z", "b", "a"):
-        src = f"linear_attn.in_proj_{part}."
-        if src in name:
-            return name.replace(src, "linear_attn.in_proj."), part
-    return None
 
 
 def hf_shapes(cfg: ModelConfig, i: int, prefix: str) -> dict[str, tuple[int, ...]]:
