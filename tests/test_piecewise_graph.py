@@ -28,7 +28,7 @@ from nanoserve.kernels.rotary import rope_reference
 from nanoserve.kvcache.pool import PageTable
 from nanoserve.scheduler.request import Request
 from nanoserve.scheduler.scheduler import ScheduledBatch
-from tests.tiny import TINY_CONFIGS, VOCAB, make_tiny_model, random_prompts
+from tests.tiny import LINEAR, TINY_CONFIGS, VOCAB, make_tiny_model, random_prompts
 
 # ---------------------------------------------------------------------------- schedule
 
@@ -70,7 +70,7 @@ def test_largest_winning_size():
 # ------------------------------------------------------------------------ tiny models
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+@pytest.fixture(scope="module", params=sorted(set(TINY_CONFIGS) - set(LINEAR)))  # LINEAR: no piecewise graphs
 def tiny_llm(request, tmp_path_factory):
     model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny") / request.param, request.param)
     return LLM(str(model_dir), device="cpu", dtype="float32", kv_cache_tokens=4096, enable_prefix_caching=False)

@@ -103,6 +103,8 @@ TINY_CONFIGS = {
         "shared_expert_intermediate_size": 48,
     },
 }
+# Architectures with linear-attention layers: one GPU, no piecewise graphs (the engine says so).
+LINEAR = ("qwen3.5", "qwen3.5-moe")
 # Architectures whose layers attend to a window only: their prompts outgrow it.
 WINDOWED = ("gemma3", "gpt-oss")
 

@@ -88,6 +88,9 @@ def _for_linear_layers(config: EngineConfig) -> EngineConfig:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        if config.tensor_parallel_size > 1 and resolve_model(config.model).config.linear is not None:
+            # refused before any worker is spawned (nothing to clean up)
+            raise ValueError("tensor parallelism is not supported for models with linear-attention layers (Qwen3.5)")
         tp = init_tensor_parallel(config, serve_worker_rank)  # TP > 1: rank 0 spawns and joins the worker ranks
         log_nondefault(config.switches)
         log_compiles(False)  # building compiles by design (see compile_watch)
