@@ -49,8 +49,12 @@ def test_greedy_identical_on_gpu(models, mode):  # noqa: F811
     stats = llm.stats()
     assert stats["vllm:spec_decode_num_accepted_tokens"] > 0
     print(mode, stats["vllm:spec_decode_num_accepted_tokens"], "/", stats["vllm:spec_decode_num_draft_tokens"], counts)
+    graphs = llm.engine.speculator.proposer.graphs
     if mode == "graphs":  # back-off steps and the prompt's last token decode through the graphs
         assert counts["decode"] > 0
+        assert graphs.num_replays > 0  # and the draft's decode steps through its own
+    else:
+        assert graphs is None
 
 
 def test_graphs_write_features(models):  # noqa: F811

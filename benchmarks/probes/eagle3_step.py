@@ -5,7 +5,8 @@ sits on the step's critical path), mean over `--iters`:
 - the target's decode step (the decode graph's replay, as the engine runs it);
 - the target's verify step over 1 + k tokens (an extend with logits at every position);
 - the proposer's whole draft for one verify step (a catch-up extend of 1 + a accepted
-  positions, then k - 1 draft decode steps), and that per draft forward.
+  positions, then k - 1 draft decode steps), and that per draft forward;
+- one draft decode step alone (its CUDA graph's replay at batch 1).
 Prints each time and the draft forward's share of a target decode step, and the speedup that
 follows at acceptance lengths 2, 3, 4 (tokens per verify step) from these parts:
 (tokens per step) * t_decode / (t_verify + t_draft).
@@ -92,6 +93,10 @@ def main() -> None:
         f"draft for one verify step {t_draft:.3f} ms ({k} forwards: a catch-up of {1 + args.accepted} rows, "
         f"{k - 1} decode steps), {per_forward:.3f} ms per forward = {per_forward / t_decode:.1%} of a decode step"
     )
+    graphs = proposer.graphs
+    if graphs is not None:  # one draft decode step alone: its graph's replay (batch 1)
+        t_step = timed(graphs.graphs[1].replay, args.iters)
+        print(f"draft decode step (graph replay, batch 1) {t_step:.3f} ms = {t_step / t_decode:.1%} of a decode step")
     for tokens in (2, 3, 4):
         print(f"  acceptance length {tokens}: speedup {tokens * t_decode / (t_verify + t_draft):.2f}x")
     eng.speculator = speculator

@@ -39,8 +39,9 @@ recomputes those positions with the accepted tokens' features. Invariants:
   sampling ones draw from the draft's distribution processed as the sampler processes the
   request's row (penalties, temperature, top-k, top-p, min-p) on the target vocabulary,
   returned as Draft.probs for the rejection rule (zero outside the draft vocabulary).
-Draft steps run eagerly, through their own instance of the target's attention backend; CUDA
-graphs for them are future work.
+Draft forwards run through their own instance of the target's attention backend; the decode
+steps replay CUDA graphs (nanoserve.engine.speculative.draft_graphs) where the target has
+decode graphs, the catch-up extend runs eagerly.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from nanoserve.attention.base import ForwardBatch
 from nanoserve.config import MAX_DRAFT_TOKENS, SpeculativeConfig
 from nanoserve.distributed import SINGLE
 from nanoserve.engine.speculative.acceptance import target_distributions
+from nanoserve.engine.speculative.draft_graphs import DraftDecodeGraphs
 from nanoserve.engine.speculative.proposer import Draft, DraftContext
 from nanoserve.kvcache.features import FeatureCache
 from nanoserve.kvcache.pool import KVCache
@@ -463,6 +465,16 @@ class Eagle3Proposer:
         self.states: dict[Request, _DraftState] = {}
         self.num_draft_forwards = 0  # draft forwards run (catch-ups and decode steps), for tests and benchmarks
         self.num_restarts = 0  # drafts started over from position 0 (the request's pages were released)
+        # The draft decode steps' CUDA graphs (where the target has decode graphs: CUDA, Triton
+        # attention, not eager), up to the largest batch that speculates.
+        self.graphs = None
+        graphs_on = device.type == "cuda" and not cfg.enforce_eager and cfg.cuda_graph_max_bs != 0
+        if graphs_on and runner.backend.name == "triton":
+            max_bs = min(cfg.max_num_seqs, spec.disable_batch_size, cfg.cuda_graph_max_bs or cfg.max_num_seqs)
+            self.graphs = DraftDecodeGraphs(
+                self.draft, self.backend, self.kv, max_bs, engine.max_model_len, kv.page_size, engine.dtype, device
+            )
+            self.graphs.capture()
 
     # ---- the Proposer interface ----------------------------------------------------------
 
@@ -505,8 +517,13 @@ class Eagle3Proposer:
             inputs = self._prepare(
                 [_Rows(ends[a] + j - 1, rows[a].slot, _Placeholders()) for a in live], [1] * len(live), is_decode=True
             )
-            prenorm, normed = self._forward(inputs, ids, prenorm)
-            ids, probs = self._choose(rows, live, self.draft.logits(normed))
+            if self.graphs is not None and self.graphs.padded_size(len(live)) is not None:
+                prenorm, logits = self.graphs.step(inputs, ids, prenorm)
+                self.num_draft_forwards += 1
+            else:
+                prenorm, normed = self._forward(inputs, ids, prenorm)
+                logits = self.draft.logits(normed)
+            ids, probs = self._choose(rows, live, logits)
             steps.append((live, ids, probs))
         tokens: list[list[int]] = [[] for _ in rows]
         dists: list[list[torch.Tensor]] = [[] for _ in rows]
