@@ -32,6 +32,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.compile_watch import CompileWatch
 from nanoserve.kvcache.pool import KVCache
+from nanoserve.models.decoder import kv_heads_per_rank
 from nanoserve.models.moe import SparseMoE
 
 NUM_SEQS = 256
@@ -262,8 +263,8 @@ def main() -> None:
     engine.check_invariants()
     wbytes = weight_bytes(engine.runner.model)
     cfg = engine.model_config
-    kv_per_token = KVCache.bytes_per_token(
-        cfg.num_layers, engine.runner.kv_cache.k[0].shape[2], cfg.head_dim, engine.kv_dtype
+    kv_per_token = KVCache.bytes_per_token(  # layers that keep K/V only (not linear attention)
+        cfg.num_kv_layers, kv_heads_per_rank(cfg, engine.runner.model.tp), cfg.head_dim, engine.kv_dtype
     )
     steps = max(max_tokens)
     kv_read = sum(sum(range(p, p + m)) for p, m in zip(map(len, prompts), max_tokens)) * kv_per_token

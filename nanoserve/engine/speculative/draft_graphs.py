@@ -1,4 +1,5 @@
-"""CUDA graphs for the EAGLE-3 draft's decode steps (one draft token per request per step).
+"""CUDA graphs for the EAGLE-3 draft's forwards as decode rows: its decode steps (a row per
+request) and its catch-ups (a row per position, each with the sequence length of its position).
 
 Owns: `DraftDecodeGraphs`, a graph per padded batch size (the target's size ladder) of the
 draft forward and its logits, over static inputs: each row's input token and hidden state,
@@ -13,7 +14,6 @@ Invariants (as the target's decode graphs, nanoserve.engine.cuda_graph):
 - a step's outputs are views of the graph's static outputs, valid until the next replay;
 - the inputs are device tensors (the eager preparation's, copied device to device): a replay
   never waits for the host.
-The catch-up extend of each verify step stays eager (its row counts vary).
 """
 
 from __future__ import annotations

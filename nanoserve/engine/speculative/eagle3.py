@@ -41,11 +41,13 @@ recomputes those positions with the accepted tokens' features. Invariants:
   returned as Draft.probs for the rejection rule (zero outside the draft vocabulary).
 Draft forwards run through their own instance of the target's attention backend; the decode
 steps replay CUDA graphs (nanoserve.engine.speculative.draft_graphs) where the target has
-decode graphs, the catch-up extend runs eagerly.
+decode graphs; so does the catch-up, as one decode row per position (row p attends to the
+request's positions up to p, those the same forward writes included), where its rows fit.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -402,6 +404,9 @@ class _Rows:
     token_ids: object
 
 
+MAX_GRAPH_ROWS = 256  # the draft graphs' largest batch of rows (larger catch-ups run eagerly)
+
+
 class Eagle3Proposer:
     """Chain drafts from an EAGLE-3 checkpoint (see the module docstring): attaches the
     feature cache to the target at start, keeps each request's draft coverage `dc`."""
@@ -470,7 +475,9 @@ class Eagle3Proposer:
         self.graphs = None
         graphs_on = device.type == "cuda" and not cfg.enforce_eager and cfg.cuda_graph_max_bs != 0
         if graphs_on and runner.backend.name == "triton":
-            max_bs = min(cfg.max_num_seqs, spec.disable_batch_size, cfg.cuda_graph_max_bs or cfg.max_num_seqs)
+            # rows: a catch-up's positions, up to 1 + k per request that speculates
+            requests = min(cfg.max_num_seqs, spec.disable_batch_size, cfg.cuda_graph_max_bs or cfg.max_num_seqs)
+            max_bs = min(requests * (1 + spec.k), MAX_GRAPH_ROWS)
             self.graphs = DraftDecodeGraphs(
                 self.draft, self.backend, self.kv, max_bs, engine.max_model_len, kv.page_size, engine.dtype, device
             )
@@ -493,20 +500,33 @@ class Eagle3Proposer:
         ends = [r.num_computed for r in rows]  # n: features exist for positions [0, n)
         starts = [min(self._state(r).dc, n - 1) for r, n in zip(rows, ends)]
         # Catch-up: positions [dc, n), each reading its feature and the token after it.
-        inputs = self._prepare(
-            [_Rows(s, r.slot, _Shifted(r.token_ids)) for r, s in zip(rows, starts)],
-            [n - s for n, s in zip(ends, starts)],
-            is_decode=False,
-        )
-        hidden = self.draft.project(self.features.gather(inputs.meta.slot_mapping))
-        prenorm, normed = self._forward(inputs, inputs.input_ids, hidden)
-        if inputs.logit_rows is not None:  # each request's last row drafts
-            prenorm, normed = prenorm[inputs.logit_rows], normed[inputs.logit_rows]
+        counts = [n - s for n, s in zip(ends, starts)]
+        graphs = self.graphs if self.graphs is not None and self.graphs.padded_size(sum(counts)) else None
+        if graphs is not None:  # a decode row per position (each sees the rows before it): a graph
+            inputs = self._prepare(
+                [_Rows(p, r.slot, _Shifted(r.token_ids)) for r, s, n in zip(rows, starts, ends) for p in range(s, n)],
+                [1] * sum(counts),
+                is_decode=False,
+            )
+            hidden = self.draft.project(self.features.gather(inputs.meta.slot_mapping))
+            prenorm, logits = graphs.step(inputs, inputs.input_ids, hidden)
+            last = torch.tensor(list(itertools.accumulate(counts)), device=logits.device) - 1
+            prenorm, logits = prenorm[last], logits[last]  # each request's last row drafts
+            self.num_draft_forwards += 1
+        else:
+            inputs = self._prepare(
+                [_Rows(s, r.slot, _Shifted(r.token_ids)) for r, s in zip(rows, starts)], counts, False
+            )
+            hidden = self.draft.project(self.features.gather(inputs.meta.slot_mapping))
+            prenorm, normed = self._forward(inputs, inputs.input_ids, hidden)
+            if inputs.logit_rows is not None:  # each request's last row drafts
+                prenorm, normed = prenorm[inputs.logit_rows], normed[inputs.logit_rows]
+            logits = self.draft.logits(normed)
         for r, n in zip(rows, ends):
             state = self.states[r]
             state.dc, state.pages = n, r.pages
         live = list(range(len(rows)))  # indices into rows still drafting
-        ids, probs = self._choose(rows, live, self.draft.logits(normed))
+        ids, probs = self._choose(rows, live, logits)
         steps = [(live, ids, probs)]
         for j in range(1, max(ks)):
             keep = [a for a in live if ks[a] > j]
