@@ -109,46 +109,74 @@ class GatedDeltaNet(_SwitchedLayer):
 
     def mix(self, batch: ForwardBatch, qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
         """The convolution, the delta rule over each request's state and the gated norm:
-        [T, Hv * Dv] in the model's dtype."""
-        lin, states = self.lin, batch.linear_states
-        entry = states.pool.index[self.layer_id]
-        conv_states, rec_states = states.pool.conv[entry], states.pool.recurrent[entry]
-        weight = self.conv1d.weight[:, 0, :]
-        meta = batch.meta
-        if states.rows_host is None and qkv.is_cuda and self.switches.triton_ops:  # decode in three launches
+        [T, Hv * Dv] in the model's dtype. Rows of one token each (a decode step, a mixed
+        step's leading decode rows) go through the step at once (graph-safe); the other
+        requests' tokens request by request, in chunks."""
+        states, meta = batch.linear_states, batch.meta
+        if states.rows_host is None:
+            return self._decode_rows(states.pool, qkv, z, ba, states.rows, meta.prefix_lens)
+        k = meta.num_decode_rows
+        parts = (
+            []
+            if k == 0
+            else [self._decode_rows(states.pool, qkv[:k], z[:k], ba[:k], states.rows[:k], meta.prefix_lens[:k])]
+        )
+        lengths = [seq - prefix for seq, prefix in zip(meta.seq_lens_host[k:], meta.prefix_lens_host[k:])]
+        parts.append(
+            self._extend(states.pool, qkv[k:], z[k:], ba[k:], states.rows_host[k:], meta.prefix_lens_host[k:], lengths)
+        )
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _pools(self, pool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        entry = pool.index[self.layer_id]
+        return pool.conv[entry], pool.recurrent[entry], self.conv1d.weight[:, 0, :]
+
+    def _gates(self, ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(decay g in log space, write strength beta), [T, Hv] fp32."""
+        b, a = ba.split(self.lin.num_v_heads, dim=-1)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return g, torch.sigmoid(b.float())
+
+    def _decode_rows(self, pool, qkv, z, ba, rows: torch.Tensor, prefix_lens: torch.Tensor) -> torch.Tensor:
+        """One token per row, each at state row rows[i] (from zeros where prefix_lens is 0)."""
+        lin = self.lin
+        conv_states, rec_states, weight = self._pools(pool)
+        if qkv.is_cuda and self.switches.triton_ops:  # three launches
             return gated_delta.decode_step(
                 qkv, z, ba, weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, conv_states,
-                rec_states, states.rows, meta.prefix_lens, lin.num_k_heads, lin.head_k_dim,
+                rec_states, rows, prefix_lens, lin.num_k_heads, lin.head_k_dim,
             )  # fmt: skip
-        b, a = ba.split(lin.num_v_heads, dim=-1)
-        beta = torch.sigmoid(b.float())
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        if states.rows_host is None:  # decode: one token per row, shapes fixed (graph-safe)
-            rows = states.rows
-            fresh = (meta.prefix_lens == 0)[:, None, None]  # a request at position 0 starts from zeros
-            conv = conv_states[rows].masked_fill(fresh, 0)
-            x = gated_delta.causal_conv_step(qkv, weight, conv)
-            conv_states[rows] = conv
+        g, beta = self._gates(ba)
+        fresh = (prefix_lens == 0)[:, None, None]  # a request at position 0 starts from zeros
+        conv = conv_states[rows].masked_fill(fresh, 0)
+        x = gated_delta.causal_conv_step(qkv, weight, conv)
+        conv_states[rows] = conv
+        q, k, v = self._split_heads(x)
+        rec = rec_states[rows].masked_fill(fresh[..., None], 0)
+        out = gated_delta.delta_rule_step(q, k, v, g, beta, rec)
+        rec_states[rows] = rec
+        return self._gated_norm(out, z, qkv.dtype)
+
+    def _extend(self, pool, qkv, z, ba, rows: list[int], prefixes: list[int], lengths: list[int]) -> torch.Tensor:
+        """Each request's tokens (lengths[i] of them after prefixes[i]) in chunks (eager)."""
+        conv_states, rec_states, weight = self._pools(pool)
+        g, beta = self._gates(ba)
+        outs = []
+        start = 0
+        for row, prefix, length in zip(rows, prefixes, lengths):
+            s, e = start, start + length
+            start = e
+            conv0 = torch.zeros_like(conv_states[row]) if prefix == 0 else conv_states[row]
+            x, conv_states[row] = gated_delta.causal_conv(qkv[s:e], weight, conv0)
             q, k, v = self._split_heads(x)
-            rec = rec_states[rows].masked_fill(fresh[..., None], 0)
-            out = gated_delta.delta_rule_step(q, k, v, g, beta, rec)
-            rec_states[rows] = rec
-        else:  # any batch, request by request (eager: host lengths)
-            outs = []
-            cu = [0]
-            for seq, prefix in zip(meta.seq_lens_host, meta.prefix_lens_host):
-                cu.append(cu[-1] + seq - prefix)
-            for i, row in enumerate(states.rows_host):
-                s, e = cu[i], cu[i + 1]
-                fresh = meta.prefix_lens_host[i] == 0
-                conv0 = torch.zeros_like(conv_states[row]) if fresh else conv_states[row]
-                x, conv_states[row] = gated_delta.causal_conv(qkv[s:e], weight, conv0)
-                q, k, v = self._split_heads(x)
-                rec0 = torch.zeros_like(rec_states[row]) if fresh else rec_states[row]
-                o, rec_states[row] = gated_delta.delta_rule_chunked(q, k, v, g[s:e], beta[s:e], rec0)
-                outs.append(o)
-            out = torch.cat(outs)
-        out = out.to(qkv.dtype).reshape(-1, lin.head_v_dim)
+            rec0 = torch.zeros_like(rec_states[row]) if prefix == 0 else rec_states[row]
+            o, rec_states[row] = gated_delta.delta_rule_chunked(q, k, v, g[s:e], beta[s:e], rec0)
+            outs.append(o)
+        return self._gated_norm(torch.cat(outs), z, qkv.dtype)
+
+    def _gated_norm(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        lin = self.lin
+        out = out.to(dtype).reshape(-1, lin.head_v_dim)
         normed = gated_delta.gated_rms_norm(out, z.reshape(-1, lin.head_v_dim), self.norm.weight, self.norm.eps)
         return normed.reshape(-1, lin.value_dim)
 
