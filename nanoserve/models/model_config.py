@@ -316,6 +316,18 @@ def _layer_types(
     return tuple(kinds)
 
 
+def _text_part(cfg: dict, multimodal: bool) -> dict:
+    """The text decoder's config: a multimodal config's `text_config`, with the token, dtype
+    and tying fields it leaves to the outer config; else the config itself."""
+    if not multimodal:
+        return dict(cfg)
+    text = dict(cfg.get("text_config") or {})
+    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+        if key not in text and key in cfg:
+            text[key] = cfg[key]
+    return text
+
+
 def _gemma3_rope(text: dict) -> tuple[tuple[float, dict | None], tuple[float, dict | None]]:
     """((theta, scaling) of full layers, (theta, scaling) of sliding layers) from either
     config generation: 5.x `rope_parameters` per layer kind, or 4.x `rope_theta`,
@@ -332,11 +344,7 @@ def _gemma3_rope(text: dict) -> tuple[tuple[float, dict | None], tuple[float, di
 def _gemma3_config(cfg: dict, name: str) -> ModelConfig:
     """Gemma 3's text decoder: a `gemma3_text` config, or the text part of a multimodal
     `gemma3` one (its vision tower is not loaded: nanoserve serves text only)."""
-    text = dict(cfg.get("text_config") or {}) if cfg.get("model_type") == "gemma3" else dict(cfg)
-    if cfg.get("model_type") == "gemma3":
-        for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
-            if key not in text and key in cfg:
-                text[key] = cfg[key]
+    text = _text_part(cfg, multimodal=cfg.get("model_type") == "gemma3")
     if text.get("attn_logit_softcapping"):
         raise ValueError("Gemma attention logit softcapping (attn_logit_softcapping) is not supported")
     if text.get("use_bidirectional_attention"):
@@ -433,11 +441,7 @@ def _qwen3_5_config(cfg: dict, name: str) -> ModelConfig:
     three position axes coincide: plain rope), norms that scale by 1 + weight. A multimodal
     `qwen3_5` / `qwen3_5_moe` config serves its text part. Defaults as transformers'."""
     multimodal = cfg.get("model_type") in ("qwen3_5", "qwen3_5_moe")
-    text = dict(cfg.get("text_config") or {}) if multimodal else dict(cfg)
-    if multimodal:
-        for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
-            if key not in text and key in cfg:
-                text[key] = cfg[key]
+    text = _text_part(cfg, multimodal)
     moe = "moe" in cfg.get("model_type", "")
     if text.get("attention_bias"):
         raise ValueError("attention_bias=True is not supported for Qwen3.5")
