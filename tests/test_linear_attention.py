@@ -75,22 +75,39 @@ def test_step_rule_matches_the_definition_per_sequence():
 
 
 def test_convolution_in_pieces_equals_whole():
-    """A sequence convolved whole, in two calls carrying the state, and token by token agree;
-    the state is the last W-1 inputs."""
+    """A sequence convolved whole, in two calls carrying the state (the first right-padded in a
+    batch with a longer one), and token by token agree; the state is the last W-1 inputs."""
     gen = torch.Generator().manual_seed(3)
     x, weight = torch.randn(9, 6, generator=gen), torch.randn(6, 4, generator=gen)
-    zero = torch.zeros(6, 3)
-    whole, state = gated_delta.causal_conv(x, weight, zero)
-    padded = torch.cat([zero, x.t()], dim=1)
+    zero = torch.zeros(1, 6, 3)
+    whole, state = gated_delta.causal_conv(x[None], weight, zero, torch.tensor([9]))
+    padded = torch.cat([zero[0], x.t()], dim=1)
     by_hand = torch.stack([(padded[:, t : t + 4] * weight).sum(1) for t in range(9)])
-    torch.testing.assert_close(whole, F.silu(by_hand))
-    assert torch.equal(state, x[-3:].t())
-    first, mid = gated_delta.causal_conv(x[:4], weight, zero)
-    second, _ = gated_delta.causal_conv(x[4:], weight, mid)
-    torch.testing.assert_close(torch.cat([first, second]), whole)
-    states = zero[None].clone()
+    torch.testing.assert_close(whole[0], F.silu(by_hand))
+    assert torch.equal(state[0], x[-3:].t())
+    other = torch.randn(7, 6, generator=gen)
+    batch = torch.stack([torch.cat([x[:4], torch.full((3, 6), 99.0)]), other])  # row 0: 4 real, 3 padding
+    first, mid = gated_delta.causal_conv(batch, weight, zero.expand(2, -1, -1), torch.tensor([4, 7]))
+    second, _ = gated_delta.causal_conv(x[None, 4:], weight, mid[:1], torch.tensor([5]))
+    torch.testing.assert_close(torch.cat([first[0, :4], second[0]]), whole[0])
+    torch.testing.assert_close(first[1], gated_delta.causal_conv(other[None], weight, zero, torch.tensor([7]))[0][0])
+    states = zero.clone()
     steps = [gated_delta.causal_conv_step(x[t : t + 1], weight, states)[0] for t in range(9)]
-    torch.testing.assert_close(torch.stack(steps), whole)
+    torch.testing.assert_close(torch.stack(steps), whole[0])
+
+
+def test_padded_sequences_side_by_side_equal_each_alone():
+    """Two sequences of different lengths as extra heads of one chunked rule (the shorter one
+    right-padded with g = 0, beta = 0) give each one's outputs and final state alone."""
+    a, b = random_rule_inputs(70, seed=1), random_rule_inputs(23, seed=2)
+    pad = 70 - 23
+    b_pad = [torch.cat([t, torch.zeros(pad, *t.shape[1:])]) for t in b[:5]]
+    both = [torch.cat([x, y], dim=1) for x, y in zip(a[:5], b_pad)]  # heads side by side
+    o, s = gated_delta.delta_rule_chunked(*both, torch.cat([a[5], b[5]]), chunk=16)
+    for seq, heads, length in ((a, slice(0, 4), 70), (b, slice(4, 8), 23)):
+        want_o, want_s = gated_delta.delta_rule_chunked(*seq, chunk=16)
+        torch.testing.assert_close(o[:length, heads], want_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s[heads], want_s, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(

@@ -11,8 +11,9 @@ space) and write strength beta_t in (0, 1):
     o_t = S^T q_t
 
 `delta_rule_step` runs that for one token of many sequences at once (decode: shapes fixed, so
-it records into CUDA graphs). `delta_rule_chunked` runs a whole sequence in chunks of C tokens
-with matrix products: within a chunk starting from S0, with G_t the cumulative log decay and
+it records into CUDA graphs). `delta_rule_chunked` runs whole sequences in chunks of C tokens
+with matrix products (several sequences at once as extra heads, right-padded with g = 0 and
+beta = 0, which leave the state as it is): within a chunk starting from S0, with G_t the cumulative log decay and
 u_t the vector written at t,
 
     u_t = beta_t (v_t - exp(G_t) S0^T k_t - sum_{r<t} exp(G_t - G_r) (k_t . k_r) u_r)
@@ -44,14 +45,20 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's new inputs x [T, C] through the depthwise causal convolution `weight`
-    [C, W] after the W-1 earlier inputs `state` [C, W-1], then SiLU: (output [T, C], the new
-    state [C, W-1])."""
+def causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """R sequences' new inputs x [R, T, C] (sequence r's first lengths[r] rows real, the rest
+    padding) through the depthwise causal convolution `weight` [C, W] after the W-1 earlier
+    inputs `states` [R, C, W-1], then SiLU: (output [R, T, C], each sequence's new state
+    [R, C, W-1]: its last W-1 real inputs)."""
     width = weight.shape[1]
-    full = torch.cat([state.to(x.dtype), x.t()], dim=1)  # [C, W-1+T]
-    out = F.conv1d(full[None], weight[:, None, :].to(x.dtype), groups=weight.shape[0])[0]  # [C, T]
-    return F.silu(out).t(), full[:, full.shape[1] - (width - 1) :]
+    full = torch.cat([states.to(x.dtype), x.transpose(1, 2)], dim=2)  # [R, C, W-1+T]
+    out = F.conv1d(full, weight[:, None, :].to(x.dtype), groups=weight.shape[0])  # [R, C, T]
+    # input i of the sequence sits at column i + W - 1: its last W - 1 are columns len .. len + W - 2
+    cols = lengths[:, None] + torch.arange(width - 1, device=x.device)
+    new_states = full.gather(2, cols[:, None, :].expand(-1, full.shape[1], -1))
+    return F.silu(out).transpose(1, 2), new_states
 
 
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor) -> torch.Tensor:

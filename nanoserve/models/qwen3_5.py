@@ -158,21 +158,44 @@ class GatedDeltaNet(_SwitchedLayer):
         return self._gated_norm(out, z, qkv.dtype)
 
     def _extend(self, pool, qkv, z, ba, rows: list[int], prefixes: list[int], lengths: list[int]) -> torch.Tensor:
-        """Each request's tokens (lengths[i] of them after prefixes[i]) in chunks (eager)."""
+        """Each request's tokens (lengths[i] of them after prefixes[i]), all requests at once:
+        right-padded to the longest, the padding written with g = 0 and beta = 0 (no decay, no
+        write), the requests side by side as heads of one chunked delta rule (eager)."""
+        lin = self.lin
         conv_states, rec_states, weight = self._pools(pool)
         g, beta = self._gates(ba)
-        outs = []
-        start = 0
-        for row, prefix, length in zip(rows, prefixes, lengths):
-            s, e = start, start + length
-            start = e
-            conv0 = torch.zeros_like(conv_states[row]) if prefix == 0 else conv_states[row]
-            x, conv_states[row] = gated_delta.causal_conv(qkv[s:e], weight, conv0)
-            q, k, v = self._split_heads(x)
-            rec0 = torch.zeros_like(rec_states[row]) if prefix == 0 else rec_states[row]
-            o, rec_states[row] = gated_delta.delta_rule_chunked(q, k, v, g[s:e], beta[s:e], rec0)
-            outs.append(o)
-        return self._gated_norm(torch.cat(outs), z, qkv.dtype)
+        dev, n, longest = qkv.device, len(rows), max(lengths)
+        slot = torch.tensor(rows, device=dev)
+        fresh = torch.tensor([p == 0 for p in prefixes], device=dev)[:, None, None]  # start from zeros
+        # packed row -> padded row r * longest + j
+        where = torch.cat([torch.arange(length, device=dev) + r * longest for r, length in enumerate(lengths)])
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros(n * longest, *t.shape[1:])
+            out[where] = t
+            return out.view(n, longest, *t.shape[1:])
+
+        x, conv_states[slot] = gated_delta.causal_conv(
+            padded(qkv), weight, conv_states[slot].masked_fill(fresh, 0), torch.tensor(lengths, device=dev)
+        )
+        q, k, v = self._split_heads(x.reshape(n * longest, -1))
+
+        def side_by_side(t: torch.Tensor) -> torch.Tensor:  # [n * longest, H, ...] -> [longest, n * H, ...]
+            t = t.view(n, longest, *t.shape[1:]).transpose(0, 1)
+            return t.reshape(longest, -1, *t.shape[3:])
+
+        rec0 = rec_states[slot].masked_fill(fresh[..., None], 0).flatten(0, 1)  # [n * Hv, Dk, Dv]
+        o, rec = gated_delta.delta_rule_chunked(
+            side_by_side(q), side_by_side(k), side_by_side(v),
+            side_by_side(padded(g).flatten(0, 1)), side_by_side(padded(beta).flatten(0, 1)), rec0,
+        )  # fmt: skip
+        rec_states[slot] = rec.view(n, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim)
+        o = (
+            o.view(longest, n, lin.num_v_heads, lin.head_v_dim)
+            .transpose(0, 1)
+            .reshape(n * longest, lin.num_v_heads, -1)
+        )
+        return self._gated_norm(o[where], z, qkv.dtype)
 
     def _gated_norm(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         lin = self.lin
