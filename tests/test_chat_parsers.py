@@ -211,6 +211,25 @@ def test_pythonic_calls(qwen):
         assert got.calls == [] and got.content == text
 
 
+def test_qwen3_xml_calls(qwen):
+    """Qwen3.5 / Qwen3-Coder calls: parameters typed by the tool's schema (a string parameter
+    stays text even when it reads as a number), others read as JSON where they parse."""
+    text = (
+        "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n1984\n</parameter>\n"
+        '<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{"hourly": true}\n</parameter>\n'
+        "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
+    )
+    got = check_every_chunking(outputs(qwen, "qwen3_xml"), qwen, text)
+    assert got.content == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [
+        ("get_weather", {"city": "1984", "days": 3, "opts": {"hourly": True}}),
+        ("get_time", {}),
+    ]
+    for text in ["<tool_call>\n<function=get_time>\n</tool_call>", '<tool_call>{"name": "get_time"}</tool_call>']:
+        got = check_every_chunking(outputs(qwen, "qwen3_xml"), qwen, text)
+        assert got.calls == [] and got.content == text
+
+
 def test_auto_picks_the_format_from_the_template(qwen, llama):
     from nanoserve.server.tool_parsers import detect_format
 
@@ -222,6 +241,7 @@ def test_auto_picks_the_format_from_the_template(qwen, llama):
     assert detect_format("<|header_start|>{{ '<|python_start|>' }}")[0] == "pythonic"
     assert detect_format("[func_name1(params_name1=params_value1)]")[0] == "pythonic"
     assert detect_format("<|im_start|>{{ m }}<|im_end|>")[0] == "hermes"  # ChatML family
+    assert detect_format("<tool_call>\n<function=example_function_name>\n<parameter=p>")[0] == "qwen3_xml"
     assert detect_format("<|start|>assistant<|channel|>final")[0] == "harmony"  # gpt-oss: nanoserve.server.harmony
     assert detect_format(None)[0] is None and detect_format("{{ m }}")[0] is None
     with pytest.raises(ValueError, match="unknown tool call parser"):

@@ -209,4 +209,15 @@ class ChatFeatures:
         if self.harmony:
             return HarmonyOutput(parse_calls=req.calls_tools and self.harmony_calls)
         splitter = self.reasoning.splitter(prompt_text) if self.reasoning is not None else None
-        return ChoiceOutput(splitter, fmt.stream() if fmt is not None else None)
+        return ChoiceOutput(splitter, fmt.stream(_param_types(req.tools)) if fmt is not None else None)
+
+
+def _param_types(tools: list[p.ToolDefinition] | None) -> dict[str, dict[str, str]]:
+    """function -> parameter -> its JSON Schema type (where the schema names one)."""
+    out: dict[str, dict[str, str]] = {}
+    for tool in tools or ():
+        props = (tool.function.parameters or {}).get("properties") or {}
+        out[tool.function.name] = {
+            k: v["type"] for k, v in props.items() if isinstance(v, dict) and isinstance(v.get("type"), str)
+        }
+    return out

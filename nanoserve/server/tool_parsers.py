@@ -14,7 +14,11 @@ Formats:
   `[TOOL_CALLS]` is a special token in Mistral's tokenizers, gone from the text, so a reply
   that starts with `[` is read as the list too;
 - `pythonic` (Llama 3.2 and Llama 4 pythonic calls): the whole reply is a Python list of
-  calls with literal keyword arguments, `[get_weather(city="Paris"), get_time()]`.
+  calls with literal keyword arguments, `[get_weather(city="Paris"), get_time()]`;
+- `qwen3_xml` (Qwen3.5, Qwen3-Coder): `<tool_call>` around `<function=NAME>`, then one
+  `<parameter=KEY>VALUE</parameter>` per argument, then `</function>`. Values are text: a
+  parameter the tool's schema types as a string stays one, any other is read as JSON when it
+  parses (numbers, booleans, objects), else kept as text.
 
 `detect_format` picks one from a chat template (--tool-call-parser auto, the default).
 
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -68,8 +73,11 @@ class ToolFormat:
         """The calls are the rest of the reply (parsed when it ends), not closed one by one."""
         return self.end == ""
 
-    def parse_call(self, body: str) -> ToolCall | None:
-        """One call's JSON text -> ToolCall, or None when it is not a well-formed call."""
+    def parse_call(self, body: str, param_types: dict[str, dict[str, str]] | None = None) -> ToolCall | None:
+        """One call's text -> ToolCall, or None when it is not a well-formed call.
+        `param_types`: function -> parameter -> JSON Schema type (the XML syntax's values)."""
+        if self.syntax == "xml":
+            return _parse_xml_call(body, param_types or {})
         try:
             obj = json.loads(body)
         except ValueError:
@@ -137,8 +145,40 @@ class ToolFormat:
             separator=self.separator,
         )
 
-    def stream(self) -> ToolCallStream:
-        return ToolCallStream(self)
+    def stream(self, param_types: dict[str, dict[str, str]] | None = None) -> ToolCallStream:
+        return ToolCallStream(self, param_types)
+
+
+_XML_CALL = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>\s*", re.DOTALL)
+_XML_PARAM = re.compile(r"\s*<parameter=([^>\s]+)>(.*?)</parameter>\s*", re.DOTALL)
+
+
+def _parse_xml_call(body: str, param_types: dict[str, dict[str, str]]) -> ToolCall | None:
+    """`<function=f><parameter=a>1</parameter></function>` -> ToolCall, or None unless the
+    body is exactly one function of parameters. A value loses one newline at each end (the
+    format puts the value on lines of its own)."""
+    call = _XML_CALL.fullmatch(body)
+    if call is None:
+        return None
+    name, inner = call.groups()
+    types = param_types.get(name, {})
+    args, at = {}, 0
+    while at < len(inner):
+        param = _XML_PARAM.match(inner, at)
+        if param is None:
+            return None if inner[at:].strip() else ToolCall(name, json.dumps(args, ensure_ascii=False))
+        key, value = param.groups()
+        value = value.removeprefix("\n").removesuffix("\n")
+        args[key] = value if types.get(key) == "string" else _json_or_text(value)
+        at = param.end()
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _json_or_text(value: str):
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
 
 
 def _parse_pythonic(text: str) -> list[ToolCall] | None:
@@ -176,12 +216,14 @@ FORMATS = {
     "llama3_json": ToolFormat("llama3_json", "", "", "parameters", separator=";"),
     "mistral": ToolFormat("mistral", "[TOOL_CALLS]", "", "arguments", opener="["),
     "pythonic": ToolFormat("pythonic", "", "", "arguments", opener="[", syntax="pythonic", has_grammar=False),
+    "qwen3_xml": ToolFormat("qwen3_xml", "<tool_call>", "</tool_call>", "", syntax="xml", has_grammar=False),
 }
 AUTO = "auto"  # --tool-call-parser auto: detect_format picks one from the chat template
 NONE = "none"  # --tool-call-parser none: tool calls are not parsed (tool_choice "auto" is refused)
 
 # (a snippet of the chat template, the format): the first whose snippet the template holds wins.
 _TEMPLATE_MARKERS = (
+    ("<function=", "qwen3_xml"),  # Qwen3.5 and Qwen3-Coder show the XML call syntax
     ("<tool_call>", "hermes"),
     ("[TOOL_CALLS]", "mistral"),
     ("func_name1(", "pythonic"),  # Llama 3.2's pythonic template shows the call syntax
@@ -223,8 +265,9 @@ class ToolDelta:
 class ToolCallStream:
     """Feeds of one choice's answer text; each returns the new content and completed calls."""
 
-    def __init__(self, fmt: ToolFormat):
+    def __init__(self, fmt: ToolFormat, param_types: dict[str, dict[str, str]] | None = None):
         self.fmt = fmt
+        self.param_types = param_types
         self.num_calls = 0
         self._buf = ""
         self._in_call = False
@@ -248,7 +291,7 @@ class ToolCallStream:
                     break
                 body, self._buf = self._buf[:at], self._buf[at + len(self.fmt.end) :]
                 self._in_call = False
-                call = self.fmt.parse_call(body)
+                call = self.fmt.parse_call(body, self.param_types)
                 if call is None:
                     self._content(out, self.fmt.begin + body + self.fmt.end)
                 else:
