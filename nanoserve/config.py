@@ -243,6 +243,16 @@ class EngineConfig:
             ):
                 object.__setattr__(self, name, value)
 
+    def for_linear_layers(self) -> EngineConfig:
+        """This config for a model with linear-attention layers (Qwen3.5), whose per-request
+        state (nanoserve.kvcache.linear_state) the prefix cache cannot restore: prompts are
+        recomputed and the prefill graphs (which cut the forward at softmax attention only)
+        stay off; speculative decoding, whose rejected drafts would have advanced the state, is
+        refused."""
+        if self.speculative_algorithm is not None:
+            raise ValueError("speculative decoding is not supported for models with linear-attention layers (Qwen3.5)")
+        return replace(self, enable_prefix_caching=False, piecewise_cuda_graphs=False)
+
     def speculative_config(self) -> SpeculativeConfig | None:
         """The speculative-decoding settings, None when it is off."""
         if self.speculative_algorithm is None:

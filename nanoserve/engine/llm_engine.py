@@ -74,18 +74,6 @@ def serve_worker_rank(config: EngineConfig) -> None:
     LLMEngine(config).runner.serve()
 
 
-def _for_linear_layers(config: EngineConfig) -> EngineConfig:
-    """The config for a model with linear-attention layers (Qwen3.5), whose per-request state
-    (nanoserve.kvcache.linear_state) the prefix cache cannot restore: prompts are recomputed,
-    the prefill graphs (which cut the forward at softmax attention only) stay off, and
-    speculative decoding, whose rejected drafts would have advanced the state, is refused."""
-    if config.speculative_config() is not None:
-        raise ValueError("speculative decoding is not supported for models with linear-attention layers (Qwen3.5)")
-    if config.enable_prefix_caching or config.piecewise_cuda_graphs:
-        log.info("linear-attention layers: prefix caching and piecewise prefill graphs are off")
-    return dataclasses.replace(config, enable_prefix_caching=False, piecewise_cuda_graphs=False)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         if config.tensor_parallel_size > 1 and resolve_model(config.model).config.linear is not None:
@@ -103,8 +91,10 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             source = dataclasses.replace(source, config=source.config.with_eos([self.tokenizer.eos_token_id]))
         cfg = source.config
-        if cfg.linear is not None:
-            self.config = config = _for_linear_layers(config)
+        if cfg.linear is not None:  # no prefix cache, no piecewise graphs, no speculation
+            if config.enable_prefix_caching or config.piecewise_cuda_graphs:
+                log.info("linear-attention layers: prefix caching and piecewise prefill graphs are off")
+            self.config = config = config.for_linear_layers()
         wanted_len = config.max_model_len or cfg.max_position_embeddings
         torch.manual_seed(config.seed)
         model = build_model(
