@@ -31,7 +31,9 @@ sliding-window layer (the token at position p attends to positions p - window + 
 as Hugging Face's sliding layers do; a backend need not read anything before that), and
 `sinks` [Hq] for learned attention sinks (gpt-oss: one logit per head that joins the softmax's
 denominator and contributes no value). Neither changes the KV layout: the cache still holds
-every position (what a windowed layer no longer reads is merely never read).
+every position (what a windowed layer no longer reads is merely never read), unless window
+groups (nanoserve.kvcache.window) give such layers pages of their own: `ForwardBatch.layer_meta`
+then hands each layer the metadata of its page group.
 """
 
 from __future__ import annotations
@@ -119,8 +121,10 @@ class AttentionBackend(ABC):
 
     name: str = "base"
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        """Per-batch work shared by all layers (called once before the forward)."""
+    def prepare(self, meta: AttentionMetadata, group_metas: tuple[AttentionMetadata, ...] = ()) -> None:
+        """Per-batch work shared by all layers (called once before the forward). `group_metas`:
+        the same batch over other page groups (window groups, nanoserve.kvcache.window), which
+        some layers get instead of `meta`: the same requests, positions and lengths."""
 
     @abstractmethod
     def store_kv(
@@ -175,9 +179,15 @@ class ForwardBatch:
     token_pool: tuple[torch.Tensor, torch.Tensor] | None = None
     # Linear-attention layers' state rows (nanoserve.kvcache.linear_state); None without them.
     linear_states: LinearStates | None = None
+    # Per layer, the metadata over its page group (window groups); None: `meta` for every layer.
+    layer_meta: list[AttentionMetadata] | None = None
+
+    def meta_of(self, layer_id: int) -> AttentionMetadata:
+        return self.meta if self.layer_meta is None else self.layer_meta[layer_id]
 
     def kv_sink(self, layer_id: int) -> KVSink:
-        return KVSink(self.k_caches[layer_id], self.v_caches[layer_id], self.meta.slot_mapping, self.backend)
+        slots = self.meta_of(layer_id).slot_mapping
+        return KVSink(self.k_caches[layer_id], self.v_caches[layer_id], slots, self.backend)
 
     def attend(
         self,
@@ -193,6 +203,7 @@ class ForwardBatch:
         """Layer `layer_id`'s attention; `kv_stored`: k/v went through `kv_sink(layer_id)`;
         `window`, `sinks`: the layer's kind (see `AttentionBackend.forward`)."""
         k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
+        meta = self.meta_of(layer_id)
         return self.backend.forward(
-            q, k, v, k_cache, v_cache, self.meta, scale, kv_stored=kv_stored, window=window, sinks=sinks
+            q, k, v, k_cache, v_cache, meta, scale, kv_stored=kv_stored, window=window, sinks=sinks
         )

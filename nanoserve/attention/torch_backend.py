@@ -26,7 +26,8 @@ class TorchAttentionBackend(AttentionBackend):
     # (benchmarks/probes/greedy_agreement.py compares two).
     attend = staticmethod(F.scaled_dot_product_attention)
 
-    def prepare(self, meta: AttentionMetadata) -> None:
+    def prepare(self, meta: AttentionMetadata, group_metas: tuple[AttentionMetadata, ...] = ()) -> None:
+        # (group_metas differ from meta in pages only: the masks below serve them too.)
         # Which padded query cells are real tokens, and the mask; shared by all layers.
         # Requests are contiguous in q, so q's rows fill the valid cells in order.
         device = meta.seq_lens.device

@@ -55,7 +55,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_splits = 1
         self._no_prefix = False
         # A mixed batch prepared: (its metadata, that of its decode rows, that of the rest).
-        self._mixed: tuple[AttentionMetadata, AttentionMetadata, AttentionMetadata] | None = None
+        # a mixed batch's (metadata, its decode part, its extend part), per page group
+        self._mixed: list[tuple[AttentionMetadata, AttentionMetadata, AttentionMetadata]] | None = None
 
     # ------------------------------------------------------------------ per-batch state
 
@@ -70,12 +71,13 @@ class TritonAttentionBackend(AttentionBackend):
     def decode_num_splits(self, batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
         return tk.choose_num_splits(batch, num_kv_heads, max_seq_len, self.num_sms(device), self.max_splits)
 
-    def prepare(self, meta: AttentionMetadata) -> None:
+    def prepare(self, meta: AttentionMetadata, group_metas: tuple[AttentionMetadata, ...] = ()) -> None:
         # Host-side decisions only. The decode split count needs the kv-head count, known at
         # forward; it is computed there from host ints (B, meta.max_seq_len), no data read.
         k = meta.num_decode_rows
         if 0 < k < meta.num_requests and not meta.is_decode:
-            self._mixed = (meta, *meta.split_decode_rows())  # once per batch, not per layer
+            # once per batch (and page group), not per layer
+            self._mixed = [(m, *m.split_decode_rows()) for m in (meta, *group_metas)]
             self._no_prefix = not any(meta.prefix_lens_host[k:])
         else:
             self._mixed = None
@@ -147,8 +149,9 @@ class TritonAttentionBackend(AttentionBackend):
         kind = (window, sinks)
         if not kv_stored:
             tk.store_kv(k_cache, v_cache, k, v, meta.slot_mapping, pdl=self.switches.pdl)
-        if self._mixed is not None and self._mixed[0] is meta:
-            _, decode, extend = self._mixed
+        split = self._mixed and next((m for m in self._mixed if m[0] is meta), None)
+        if split:
+            _, decode, extend = split
             n = decode.num_requests
             if out is None:
                 out = torch.empty_like(q, memory_format=torch.contiguous_format)

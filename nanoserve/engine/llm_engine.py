@@ -43,20 +43,21 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.tp_runner import agree_kv_plan, init_tensor_parallel, wrap_runner
 from nanoserve.engine.compile_watch import log_compiles
-from nanoserve.engine.model_runner import ModelRunner, plan_kv_capacity
+from nanoserve.engine.model_runner import ModelRunner, plan_kv_capacity, plan_window_groups
 from nanoserve.engine.pooling import LastTokenPooling
 from nanoserve.engine.sampler import Sampler, SampleRow
 from nanoserve.engine.speculative.proposer import DraftContext
 from nanoserve.engine.speculative.step import Speculator, make_proposer
-from nanoserve.kvcache.pool import PageAllocator, PageTable
+from nanoserve.kvcache.pool import PageAllocator, PageTable, pages_for
 from nanoserve.kvcache.radix import RadixCache
+from nanoserve.kvcache.window import WindowPager
 from nanoserve.models.decoder import kv_heads_per_rank
 from nanoserve.models.loader import build_model
 from nanoserve.models.registry import resolve_model
 from nanoserve.outputs import StepUpdate
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler.request import Request
-from nanoserve.scheduler.scheduler import ScheduledBatch, Scheduler, pages_for
+from nanoserve.scheduler.scheduler import ScheduledBatch, Scheduler
 from nanoserve.step import ForwardInputs
 from nanoserve.structured.compiler import GrammarError, GrammarService, PendingGrammar
 from nanoserve.structured.matcher import GrammarMatcher, bitmask_words, fill_masks
@@ -117,13 +118,25 @@ class LLMEngine:
             proposer = make_proposer(spec, context)
         kv_heads = kv_heads_per_rank(cfg, model.tp)
         extra = proposer.kv_bytes_per_token if proposer is not None else 0
-        plan = agree_kv_plan(plan_kv_capacity(config, cfg, kv_heads, self.kv_dtype, self.device, extra), tp)
-        self.runner = wrap_runner(ModelRunner(config, model, plan, self.device, self.kv_dtype), tp)
+        layout = plan_window_groups(config, cfg, tp.size)  # None: every layer on the request's pages
+        plan = plan_kv_capacity(config, cfg, kv_heads, self.kv_dtype, self.device, extra, layout)
+        plan = agree_kv_plan(plan, tp)
+        self.runner = wrap_runner(ModelRunner(config, model, plan, self.device, self.kv_dtype, layout), tp)
         self.pooling = LastTokenPooling(model) if config.task == "embed" else None  # embedding model
-        self.max_model_len = min(wanted_len, plan.num_tokens)
+        capacity = plan.num_tokens
+        if layout is not None:
+            capacity = layout.max_tokens(plan.num_pages, plan.page_size, config.chunked_prefill_size)
+        self.max_model_len = min(wanted_len, capacity)
         self.model_config = cfg
         self.allocator = PageAllocator(plan.num_pages)
         self.prefix_cache = RadixCache(self.allocator, plan.page_size) if config.enable_prefix_caching else None
+        windows = None
+        if layout is not None:
+            kv = self.runner.kv_cache
+            groups = layout.num_window_groups
+            windows = WindowPager(
+                self.allocator, plan.page_size, layout.window, groups, self.runner.window_map.set, kv.copy_page
+            )
         self.scheduler = Scheduler(
             self.allocator,
             plan.page_size,
@@ -134,6 +147,7 @@ class LLMEngine:
             page_table=PageTable(config.max_num_seqs, pages_for(self.max_model_len, plan.page_size)),
             prefix_cache=self.prefix_cache,
             mixed_budget=config.mixed_step_budget() if config.schedule_policy == "mixed" else None,
+            windows=windows,
         )
         self.sampler = Sampler(
             self.device, config.seed, fused=config.switches.fused_sampler and self.device.type == "cuda"
@@ -185,10 +199,20 @@ class LLMEngine:
             self.max_model_len,
             time.perf_counter() - started,
         )
-        # Layers without K/V (linear attention) leave their share of each token to the others:
-        # what the same pages would hold if every layer kept K/V.
-        self.kv_tokens_full_layout = plan.num_tokens * cfg.num_kv_layers // cfg.num_layers
-        if cfg.num_kv_layers < cfg.num_layers:
+        # What the same memory would hold if every layer kept K/V for every token: layers
+        # without K/V (linear attention) and window groups leave room to the others.
+        layers_per_page = cfg.num_kv_layers if layout is None else layout.num_tensors
+        self.kv_tokens_full_layout = plan.num_tokens * layers_per_page // cfg.num_layers
+        if layout is not None:
+            log.info(
+                "sliding-window layers give back pages out of their window (%d window groups of %d layers): "
+                "%d tokens of full-attention KV, a request holding at most %d pages more; %d tokens with "
+                "every layer keeping every token",
+                layout.num_window_groups, layers_per_page, plan.num_tokens,
+                layout.num_window_groups * layout.window_pages_per_request(plan.page_size, config.chunked_prefill_size),
+                self.kv_tokens_full_layout,
+            )  # fmt: skip
+        elif cfg.num_kv_layers < cfg.num_layers:
             log.info(
                 "%d of %d layers keep K/V: %d tokens of KV cache, %d with every layer full attention",
                 cfg.num_kv_layers, cfg.num_layers, plan.num_tokens, self.kv_tokens_full_layout,
@@ -727,7 +751,9 @@ class LLMEngine:
             "request_slots_total": sched.max_num_seqs,
             "num_preemptions": sched.num_preemptions,
             "max_model_len": self.max_model_len,
-            "kv_tokens_full_layout": self.kv_tokens_full_layout,  # the same pages if every layer kept K/V
+            "kv_tokens_full_layout": self.kv_tokens_full_layout,  # the same memory if every layer kept K/V
+            # window groups (nanoserve.kvcache.window): pages given back out of the window
+            "kv_window_pages_freed": sched.windows.num_dropped * sched.windows.num_groups if sched.windows else 0,
             "prefix_caching": cache is not None,
             "prefix_cache_query_tokens": cache.query_tokens if cache is not None else 0,
             "prefix_cache_hit_tokens": cache.hit_tokens if cache is not None else 0,
@@ -745,7 +771,8 @@ class LLMEngine:
             stop()
 
     def check_invariants(self) -> None:
-        self.scheduler.check_invariants()
+        window_map = getattr(self.runner, "window_map", None)  # window groups: checked against the device too
+        self.scheduler.check_invariants(None if window_map is None else window_map.host_copy())
 
 
 class _InFlight:

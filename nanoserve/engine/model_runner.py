@@ -10,6 +10,7 @@ vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -24,7 +25,8 @@ from nanoserve.engine.packed_inputs import PackedLayout
 from nanoserve.engine.piecewise_graph import PiecewiseGraphs, piecewise_sizes
 from nanoserve.kernels.norm import resolve_pending
 from nanoserve.kvcache.linear_state import LinearStatePool, LinearStates
-from nanoserve.kvcache.pool import KVCache
+from nanoserve.kvcache.pool import KVCache, KVLayout
+from nanoserve.kvcache.window import WindowMap
 from nanoserve.models.decoder import DecoderLM, kv_heads_per_rank
 from nanoserve.models.model_config import ModelConfig
 from nanoserve.scheduler.scheduler import ScheduledBatch
@@ -43,13 +45,15 @@ def plan_kv_capacity(
     dtype: torch.dtype,
     device: torch.device,
     extra_bytes_per_token: int = 0,
+    layout: KVLayout | None = None,
 ) -> KVPlan:
     """How many pages the KV cache gets: an explicit size if given, else on CUDA
     `memory_fraction` of the memory free after the weights, on CPU 1 GiB. A token's bytes
     include `extra_bytes_per_token` (a speculative drafter's KV on the same pages); only
-    layers with K/V count. Linear-attention layers' states (one per request slot) come out of
-    the same budget first."""
-    per_token = KVCache.bytes_per_token(model_cfg.num_kv_layers, kv_heads, model_cfg.head_dim, dtype)
+    layers with K/V count, or with window groups (`layout`) the layers of one page. Linear-attention
+    layers' states (one per request slot) come out of the same budget first."""
+    layers = model_cfg.num_kv_layers if layout is None else layout.num_tensors
+    per_token = KVCache.bytes_per_token(layers, kv_heads, model_cfg.head_dim, dtype)
     per_token += extra_bytes_per_token
     states = LinearStatePool.bytes_needed(model_cfg.linear_state_shape, config.max_num_seqs, dtype)
     if config.kv_cache_tokens is not None:
@@ -68,15 +72,53 @@ def plan_kv_capacity(
     return KVPlan(num_pages, config.page_size, per_token)
 
 
+def plan_window_groups(config: EngineConfig, cfg: ModelConfig, tp_size: int) -> KVLayout | None:
+    """Window groups (nanoserve.kvcache.window) for a model with sliding-window and full layers,
+    or None. Not with the prefix cache (a cached prefix would need its window's pages kept with
+    it), speculative decoding (its lookahead pages) or tensor parallelism (the map's updates are
+    not part of the step message): there sliding layers keep every page, as do models where
+    window groups do not apply (`KVLayout.window_groups`)."""
+    layout = KVLayout.window_groups(layer_windows(cfg))
+    if layout is None:
+        return None
+    blockers = [
+        name
+        for name, on in (
+            ("the prefix cache (--no-prefix-cache turns it off)", config.enable_prefix_caching),
+            ("speculative decoding", config.speculative_algorithm is not None),
+            ("tensor parallelism", tp_size > 1),
+        )
+        if on
+    ]
+    if blockers:
+        log.info("sliding-window layers keep every page: pages out of the window are not freed with %s", blockers[0])
+        return None
+    return layout
+
+
+def layer_windows(cfg: ModelConfig) -> list[int]:
+    """Per layer: its sliding window, 0 for full attention, -1 without K/V (linear attention)."""
+    return [-1 if cfg.is_linear_layer(i) else cfg.window_of(i) for i in range(cfg.num_layers)]
+
+
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model: DecoderLM, plan: KVPlan, device: torch.device, kv_dtype: torch.dtype
+        self,
+        config: EngineConfig,
+        model: DecoderLM,
+        plan: KVPlan,
+        device: torch.device,
+        kv_dtype: torch.dtype,
+        layout: KVLayout | None = None,
     ):
+        """`layout`: which K/V tensor and page group each layer uses (default: a tensor per
+        layer with K/V, every layer on the request's pages)."""
         self.config = config
         self.model = model
         self.device = device
         cfg = model.config
         self.page_size = plan.page_size
+        layout = layout or KVLayout.per_layer(layer_windows(cfg))
         self.kv_cache = KVCache(
             cfg.num_layers,
             plan.num_pages,
@@ -85,8 +127,12 @@ class ModelRunner:
             cfg.head_dim,
             kv_dtype,
             device,
-            without_kv=frozenset(i for i in range(cfg.num_layers) if cfg.is_linear_layer(i)),
+            layout,
         )
+        # Window groups (nanoserve.kvcache.window): windowed layers' pages, through the map.
+        self.window_map = None
+        if layout.num_window_groups:
+            self.window_map = WindowMap(layout.num_window_groups, plan.num_pages, plan.page_size, device)
         # Linear-attention layers' per-request states (Qwen3.5), rows indexed by request slot.
         shape = cfg.linear_state_shape
         self.linear_states = LinearStatePool(shape, config.max_num_seqs, kv_dtype, device) if shape else None
@@ -360,6 +406,7 @@ class ModelRunner:
         from a CUDA graph when `prepare` chose one. Every tensor-parallel rank runs this
         on the same inputs. Pending input ids are read from the token pool first (by the
         graph's own embedding kernel where the graphs read the pool)."""
+        self._flush_window_map()  # the window pages this step's requests got, before it reads them
         if inputs.graph_bs is not None and self.graphs.reads_pool:
             inputs.pending = None
             return self.graphs.replay(inputs)
@@ -367,6 +414,10 @@ class ModelRunner:
         if inputs.graph_bs is not None:
             return self.graphs.replay(inputs)
         return self.forward_logits(inputs)
+
+    def _flush_window_map(self) -> None:
+        if self.window_map is not None:
+            self.window_map.flush()
 
     def uses_piecewise(self, inputs: ForwardInputs) -> bool:
         """Whether this runner's piecewise graphs cover `inputs` (a prefill/extend batch of at
@@ -379,11 +430,19 @@ class ModelRunner:
         the piecewise graphs cover runs them, with eager attention between (`inputs.piecewise`
         decides where set: under tensor parallelism every rank must run the same kernels and
         collectives, so the workers follow rank 0)."""
-        self.backend.prepare(inputs.meta)
+        meta = inputs.meta
+        group_metas = ()
+        if self.window_map is not None:  # the windowed layers' pages (device gathers: graphs capture them)
+            tables = self.window_map.group_tables(meta.page_table, meta.slot_mapping)
+            group_metas = tuple(dataclasses.replace(meta, page_table=t, slot_mapping=s) for t, s in tables)
+        self.backend.prepare(meta, group_metas)
         if self.model.feature_sink is not None:  # the slots the pieces store features at (EAGLE-3)
-            self.model.feature_sink.set_slots(inputs.meta.slot_mapping)
+            self.model.feature_sink.set_slots(meta.slot_mapping)
         pool = None if inputs.pool_index is None else (self.token_pool, inputs.pool_index)
-        batch = ForwardBatch(inputs.meta, self.backend, self.kv_cache.k, self.kv_cache.v, pool)
+        batch = ForwardBatch(meta, self.backend, self.kv_cache.k, self.kv_cache.v, pool)
+        if group_metas:
+            metas = (meta, *group_metas)
+            batch.layer_meta = [metas[g] for g in self.kv_cache.layout.group_of_layer]
         if self.linear_states is not None:
             batch.linear_states = self._linear_states(inputs)
         piecewise = self.uses_piecewise(inputs) if inputs.piecewise is None else inputs.piecewise

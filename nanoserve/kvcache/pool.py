@@ -1,10 +1,12 @@
 """KV storage and page ownership.
 
-Owns: the preallocated per-layer K/V tensors (`KVCache`), the page allocator
+Owns: the preallocated K/V tensors (`KVCache`) and which of them each layer uses
+(`KVLayout`), the page allocator
 (`PageAllocator`) and the host-side page table of the request slots (`PageTable`).
 
-Layout: each layer has k and v of shape [num_pages, page_size, num_kv_heads, head_dim];
-a cache slot is page * page_size + offset.
+Layout: each K/V tensor is [num_pages, page_size, num_kv_heads, head_dim]; a cache slot is
+page * page_size + offset. A layer uses the tensor its `KVLayout` names: its own one, or with
+window groups (nanoserve.kvcache.window) one shared by a layer of each page group.
 
 Invariants of the allocator:
 - every page is either free (refcount 0, on the free list exactly once) or owned
@@ -21,9 +23,63 @@ Invariants of the allocator:
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Per layer the K/V tensor it uses (-1: none, a linear-attention layer) and its page group
+    (0: the request's pages; g >= 1: window group g)."""
+
+    tensor_of_layer: tuple[int, ...]
+    group_of_layer: tuple[int, ...]
+    num_tensors: int
+    num_window_groups: int = 0
+    window: int = 0
+
+    @staticmethod
+    def per_layer(windows: list[int]) -> KVLayout:
+        """Every layer with K/V its own tensor on the request's pages (`windows[i]` < 0: no K/V)."""
+        tensors, n = [], 0
+        for w in windows:
+            tensors.append(-1 if w < 0 else n)
+            n += w >= 0
+        return KVLayout(tuple(tensors), (0,) * len(windows), n)
+
+    @staticmethod
+    def window_groups(windows: list[int]) -> KVLayout | None:
+        """Window groups for layers of `windows` (0: full attention, > 0: that window, < 0:
+        no K/V), or None where they do not apply: no full or no windowed layer, more full
+        layers than windowed ones (a page of F layers would mostly pad the windowed ones), or
+        windows of different sizes."""
+        full = [i for i, w in enumerate(windows) if w == 0]
+        windowed = [i for i, w in enumerate(windows) if w > 0]
+        if not full or len(windowed) < len(full) or len({windows[i] for i in windowed}) != 1:
+            return None
+        f = len(full)
+        tensors, groups = [-1] * len(windows), [0] * len(windows)
+        for j, layer in enumerate(full):
+            tensors[layer] = j
+        for i, layer in enumerate(windowed):
+            tensors[layer], groups[layer] = i % f, 1 + i // f
+        return KVLayout(tuple(tensors), tuple(groups), f, pages_for(len(windowed), f), windows[windowed[0]])
+
+    def window_pages_per_request(self, page_size: int, chunk: int) -> int:
+        """Position pages a request's window groups hold at most: its window and a chunk of
+        `chunk` new tokens, one page more where they straddle page boundaries."""
+        return pages_for(self.window - 1 + chunk, page_size) + 1 if self.num_window_groups else 0
+
+    def max_tokens(self, num_pages: int, page_size: int, chunk: int) -> int:
+        """The longest request the pages can hold alone (the reserved page aside)."""
+        held_by_windows = self.num_window_groups * self.window_pages_per_request(page_size, chunk)
+        return max(num_pages - 1 - held_by_windows, 0) * page_size
 
 
 class KVCache:
@@ -36,27 +92,29 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        without_kv: frozenset[int] = frozenset(),
+        layout: KVLayout | None = None,
     ):
-        """`without_kv`: layers that keep no K/V (linear attention): theirs are empty tensors."""
+        """`layout`: which tensor each layer uses (default: one per layer); a layer without
+        one (linear attention) gets empty tensors."""
         self.num_pages = num_pages
         self.page_size = page_size
+        self.layout = layout or KVLayout.per_layer([0] * num_layers)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-
-        def cache(layer: int) -> torch.Tensor:
-            return torch.zeros(0 if layer in without_kv else shape, dtype=dtype, device=device)
-
-        self.k = [cache(i) for i in range(num_layers)]
-        self.v = [cache(i) for i in range(num_layers)]
+        n = self.layout.num_tensors
+        self.tensors_k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+        self.tensors_v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+        empty = torch.zeros(0, dtype=dtype, device=device)
+        tensor_of = self.layout.tensor_of_layer
+        self.k = [empty if t < 0 else self.tensors_k[t] for t in tensor_of]  # per layer
+        self.v = [empty if t < 0 else self.tensors_v[t] for t in tensor_of]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
     def copy_page(self, src: int, dst: int) -> None:
-        for cache in (*self.k, *self.v):
-            if cache.numel():
-                cache[dst].copy_(cache[src])
+        for cache in (*self.tensors_k, *self.tensors_v):
+            cache[dst].copy_(cache[src])
 
 
 class OutOfPages(RuntimeError):

@@ -63,6 +63,10 @@ class Request:
     # accepted every output token already processed; dropped when the request finishes.
     matcher: object | None = None
     num_preemptions: int = 0  # times its KV was given back (a drafter's KV of it is then stale too)
+    # With window groups (nanoserve.kvcache.window): per position page, the pages of the
+    # windowed layers (None once given back: entries before window_start).
+    window_pages: list[tuple[int, ...] | None] = field(default_factory=list)
+    window_start: int = 0
 
     @property
     def num_output_tokens(self) -> int:

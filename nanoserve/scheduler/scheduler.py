@@ -59,8 +59,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nanoserve.kvcache.pool import PageAllocator, PageTable
+from nanoserve.kvcache.pool import PageAllocator, PageTable, pages_for
 from nanoserve.kvcache.radix import RadixCache
+from nanoserve.kvcache.window import WindowPager
 from nanoserve.scheduler.request import Request, Status
 
 # Mixed steps are kept short (`mixed_budget`) so that running requests' next tokens are not
@@ -114,10 +115,6 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
-def pages_for(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
-
-
 _by_arrival = operator.attrgetter("arrival")
 _by_context = operator.attrgetter("num_computed")
 
@@ -134,6 +131,7 @@ class Scheduler:
         prefix_cache: RadixCache | None = None,
         mixed_budget: int | None = None,
         copy_slot_state: Callable[[int, int], None] | None = None,
+        windows: WindowPager | None = None,
     ):
         self.allocator = allocator
         self.page_table = page_table
@@ -144,6 +142,12 @@ class Scheduler:
         self.copy_page = copy_page
         self.copy_slot_state = copy_slot_state  # per-slot model state (linear attention) a fork copies
         self.prefix_cache = prefix_cache
+        # Window groups (nanoserve.kvcache.window): pages of windowed layers, given back once
+        # out of the window. A position page then takes 1 + num_groups allocator pages.
+        self.windows = windows
+        if windows is not None and prefix_cache is not None:
+            raise ValueError("window groups and the prefix cache exclude each other")
+        self.pages_per_position_page = 1 + (windows.num_groups if windows is not None else 0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
@@ -180,6 +184,17 @@ class Scheduler:
             new = self.allocator.alloc(need)
             req.pages.extend(new)
             self.page_table.extend(req.slot, have, new)
+        if self.windows is not None:
+            self.windows.grow(req, num_tokens)
+
+    def _pages_to_grow(self, req: Request, num_tokens: int) -> int:
+        """Allocator pages `_grow(req, num_tokens)` takes, after giving back what fell out of
+        the window (window groups)."""
+        need = max(0, pages_for(num_tokens, self.page_size) - len(req.pages))
+        if self.windows is not None:
+            self.windows.drop(req)
+            need += self.windows.pages_needed(req, num_tokens)
+        return need
 
     def _attach_prefix(self, req: Request) -> None:
         """Start `req` (no slot, no pages) from the longest cached prefix of its tokens.
@@ -229,6 +244,8 @@ class Scheduler:
         if req.pages:
             self.allocator.release(req.pages)
         req.pages = []
+        if self.windows is not None:
+            self.windows.release(req)
         if req.prefix_node is not None:
             cache.unlock(req.prefix_node)
             req.prefix_node = None
@@ -343,8 +360,10 @@ class Scheduler:
                     self._attach_prefix(req)
             chunk = min(req.num_uncomputed, budget)
             forks = req.params.n > 1 and not req.forked
-            grow = pages_for(req.num_computed + chunk, self.page_size) - len(req.pages)
-            fork_pages = req.params.n - 1 if forks and chunk == req.num_uncomputed else 0
+            grow = self._pages_to_grow(req, req.num_computed + chunk)
+            fork_pages = (
+                (req.params.n - 1) * self.pages_per_position_page if forks and chunk == req.num_uncomputed else 0
+            )
             need = promised + grow + fork_pages
             if not self._ensure_free_pages(need):
                 self._reclaim_from_waiting(need, behind=req)
@@ -373,10 +392,13 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         batch = sorted(self.running, key=_by_arrival)
         page_size = self.page_size
+        if self.windows is not None:
+            for req in batch:
+                self.windows.drop(req)
         for req in [r for r in batch if r.num_computed >= len(r.pages) * page_size]:  # out of room
             if req.status is not Status.RUNNING:  # O(1), unlike `req in self.running`
                 continue  # preempted while making room for an older request
-            while not self._ensure_free_pages(1):
+            while not self._ensure_free_pages(self.pages_per_position_page):
                 victim = max(self.running, key=_by_arrival)
                 self.preempt(victim)
                 batch.remove(victim)
@@ -398,6 +420,8 @@ class Scheduler:
         nobody is preempted for a draft. Returns how many positions it has room for. The
         pages stay the request's (rejected drafts' KV is overwritten by the tokens that
         follow), so every invariant above holds as for any page `_grow` gives."""
+        if self.windows is not None:
+            raise RuntimeError("speculative lookahead with window groups")  # the engine never builds both
         base = req.num_computed + 1
         need = pages_for(base + num_tokens, self.page_size) - len(req.pages)
         if need > 0:
@@ -444,6 +468,8 @@ class Scheduler:
                 (page,) = self.allocator.alloc(1)
                 self.copy_page(parent.pages[full], page)
                 child.pages.append(page)
+            if self.windows is not None:
+                self.windows.fork(parent, child, full)
             child.num_computed = parent.num_computed
             child.admitted = True  # its num_cached_tokens is the parent's
             if parent.prefix_node is not None:
@@ -467,6 +493,8 @@ class Scheduler:
         held: set[int] = set()
         for req in (*self.waiting, *self.running):
             held.update(req.pages)
+            if self.windows is not None:
+                held.update(self.windows.held(req))
         return len(held)
 
     def check_page_table(self) -> None:
@@ -482,7 +510,8 @@ class Scheduler:
                 )
         assert not rows[self.free_slots].any(), "a free slot's page table row is not zero"
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, window_map=None) -> None:
+        """`window_map`: the window groups' device map on the host (checked against the requests)."""
         reqs = [*self.waiting, *self.running]
         assert len({id(r) for r in reqs}) == len(reqs), "a request is queued twice"
         with_slot = sum(1 + len(r.reserved_slots) for r in reqs if r.slot is not None)
@@ -492,6 +521,8 @@ class Scheduler:
             assert len(r.pages) * self.page_size >= r.num_computed, "computed tokens without pages"
         for r in reqs:
             assert r.prefix_node is None or r.slot is not None, "cache lock without a slot"
+            if self.windows is not None:
+                self.windows.check(r, window_map)
         self.check_page_table()
         penalized = sum(r.params.has_penalties for r in reqs)
         assert penalized <= self.num_with_penalties, "requests with penalties miscounted"
