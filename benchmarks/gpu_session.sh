@@ -63,6 +63,9 @@ for s in ${STAGES:-tests offline latency}; do
         stage "steps[$v]" 120 env $(echo "$v" | tr ',' ' ' | sed 's/^default$//') python benchmarks/probes/microbatch_overlap.py --whole
       done ;;
     latency_qwen) stage latency_qwen 120 python benchmarks/latency.py --models qwen3-0.6b ;;
+    tests_window) stage tests_window 240 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_window_pages.py ;;
+    long_context) stage long_context ${T_LONG:-300} python benchmarks/long_context.py $LONG_ARGS ;;
+    long_context_keep) stage long_context_keep ${T_LONG:-300} python benchmarks/long_context.py --keep-pages $LONG_ARGS ;;
     tests_linear) stage tests_linear 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_linear_attention.py ;;
     latency_linear) stage latency_linear ${T_LINEAR:-300} python benchmarks/latency.py --models qwen3.5-9b qwen3.5-35b-a3b --repeats 2 ;;
     tests_spec) stage tests_spec 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_speculative.py tests/test_gpu_eagle3.py ;;
