@@ -7,9 +7,9 @@ keeping every token.
 
     python benchmarks/long_context.py [--model gemma-3-12b] [--batch 8] [--context 16384] [--keep-pages]
 
-Capacity is counted in requests of `--context` tokens that fit at once, times that length:
-with window groups a request holds its full layers' pages for every token and each window
-group's pages for at most its window and a chunk.
+Capacity is counted in requests of `--context` tokens that fit at once, times that length, from
+the pages each request of the batch holds while decoding (with window groups: its full
+layers' pages for every token, each window group's for its window), measured in the run.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import copy_bandwidth, device_name, step_weight_bytes
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kvcache.pool import pages_for
 
 DECODE_STEPS = 64
 
@@ -49,6 +48,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--keep-pages", action="store_true", help="prefix cache on: sliding layers keep every page")
+    ap.add_argument("--profile", action="store_true", help="print the kernels of 8 more decode steps by GPU time")
     args = ap.parse_args()
     llm = LLM(
         args.model,
@@ -64,16 +64,9 @@ def main() -> None:
     stats = llm.stats()
     ps = stats["page_size"]
     layout = engine.runner.kv_cache.layout
-    # capacity: requests of `context` tokens that fit at once
-    windows = layout.window_pages_per_request(ps, engine.config.chunked_prefill_size)  # 0 without groups
-    per_request = pages_for(args.context, ps) + layout.num_window_groups * windows
-    fit = stats["kv_pages_total"] // per_request
-    fit_full = stats["kv_tokens_full_layout"] // args.context
     print(
         f"{args.model} on {device_name(device)}: {stats['kv_pages_total']} pages of {ps} tokens x "
-        f"{layout.num_tensors} layers, window groups {layout.num_window_groups}; requests of {args.context} "
-        f"tokens that fit: {fit} ({fit * args.context} tokens) against {fit_full} ({fit_full * args.context}) "
-        f"with every layer keeping every token: {fit / max(fit_full, 1):.2f}x"
+        f"{layout.num_tensors} layers, window groups {layout.num_window_groups}"
     )
     prompts = [[(7 * i + 13 * r + 1) % 5000 + 10 for i in range(args.context)] for r in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 8, ignore_eos=True)
@@ -91,6 +84,17 @@ def main() -> None:
         engine.step()
     torch.cuda.synchronize(device)
     step_ms = (time.perf_counter() - started) * 1e3 / DECODE_STEPS
+    # Capacity from what the decoding requests hold now (pages only the prefix cache holds aside).
+    now = llm.stats()
+    held = (now["kv_pages_total"] - now["kv_pages_free"] - now["kv_pages_cached"]) / args.batch
+    fit = int(now["kv_pages_total"] // held)
+    fit_full = now["kv_tokens_full_layout"] // args.context
+    if args.profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(8):
+                engine.step()
+            torch.cuda.synchronize(device)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
     while engine.has_unfinished_requests():
         engine.step()
     kv_token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * engine.kv_dtype.itemsize
@@ -105,6 +109,11 @@ def main() -> None:
         f"{kv_bytes / 2**30:.2f} GiB at {bandwidth / 2**30:.0f} GiB/s): {floor_ms / step_ms:.1%} of the floor; "
         f"window pages given back {after['kv_window_pages_freed']}, pages free after {after['kv_pages_free']} "
         f"of {after['kv_pages_total']}"
+    )
+    print(
+        f"KV capacity: a request decoding at {args.context} tokens holds {held:.0f} pages; {fit} such requests "
+        f"fit ({fit * args.context} tokens) against {fit_full} ({fit_full * args.context}) with every layer "
+        f"keeping every token: {fit / max(fit_full, 1):.2f}x"
     )
 
 
