@@ -55,6 +55,9 @@ class KernelSwitches:
     decode_heads_first: bool = True
     # Triton sampler for greedy / plain-temperature batches; off: the torch path.
     fused_sampler: bool = True
+    # Gated DeltaNet prefill (Qwen3.5) through fla-core's varlen chunked kernels on CUDA in 16-bit, where
+    # fla imports; off: the torch chunked rule, requests padded side by side (nanoserve/kernels/gated_delta_fla.py).
+    fla: bool = True
     # Tensor parallelism: all-reduce row-parallel partial sums in fp32 and round once (off: model dtype).
     tp_reduce_fp32: bool = False
     # Tensor parallelism: fused all-reduce + RMSNorm over symmetric memory in decode graphs; off: NCCL.

@@ -2,7 +2,10 @@
 from the rule's definition, and the engine on tiny random checkpoints against transformers
 (fp32, CPU) through what a per-request state must survive: batches, chunked prefill,
 preemption, parallel sampling, a second pass with the prefix cache asked for. The plain
-greedy comparison is tests/test_models_vs_hf.py's."""
+greedy comparison is tests/test_models_vs_hf.py's. The fla-core prefill path
+(nanoserve/kernels/gated_delta_fla.py) on CPU: left alone off CUDA and when fla is missing,
+and its packing run through a stand-in for fla's kernel (tests/test_gpu_fla.py runs the real
+one)."""
 
 from __future__ import annotations
 
@@ -13,11 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels import gated_delta
+from nanoserve.kernels import gated_delta, gated_delta_fla
 from nanoserve.kvcache.linear_state import LinearStatePool
 from nanoserve.models.loader import hf_parameter_shapes
 from nanoserve.models.model_config import ModelConfig
+from nanoserve.models.qwen3_5 import prefill_path
 from nanoserve.models.registry import resolve_model
+from nanoserve.switches import KernelSwitches
 from tests.tiny import hf_greedy, make_tiny_model, random_prompts, tiny_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -108,6 +113,136 @@ def test_padded_sequences_side_by_side_equal_each_alone():
         want_o, want_s = gated_delta.delta_rule_chunked(*seq, chunk=16)
         torch.testing.assert_close(o[:length, heads], want_o, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(s[heads], want_s, atol=1e-5, rtol=1e-5)
+
+
+def packed_rule_inputs(lengths, seed=0, **dims):
+    """Sequences of `lengths` tokens each: (each alone, their five inputs packed one after
+    another, their states before them [R, Hv, Dk, Dv], nonzero)."""
+    seqs = [random_rule_inputs(n, seed=seed + i, **dims) for i, n in enumerate(lengths)]
+    return seqs, [torch.cat([s[j] for s in seqs]) for j in range(5)], torch.stack([s[5] for s in seqs])
+
+
+def test_varlen_rule_equals_each_sequence_alone():
+    """The twin's packed entry: sequences packed one after another (longer and shorter than a
+    64-token chunk, one of a single token) give each one's outputs and final state alone."""
+    lengths = [70, 23, 1, 64]
+    seqs, packed, states = packed_rule_inputs(lengths)
+    o, s = gated_delta.delta_rule_varlen(*packed, states, lengths)
+    starts = [0, 70, 93, 94]
+    for seq, start, n, final in zip(seqs, starts, lengths, s):
+        want_o, want_s = gated_delta.delta_rule_chunked(*seq)
+        torch.testing.assert_close(o[start : start + n], want_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(final, want_s, atol=1e-5, rtol=1e-5)
+
+
+def test_varlen_convolution_equals_the_padded_batch():
+    """`causal_conv_varlen` over sequences packed without padding equals `causal_conv` over
+    the right-padded batch: outputs and new states (a sequence shorter than W-1 keeps some of
+    its old state's inputs in the new one)."""
+    gen = torch.Generator().manual_seed(4)
+    lengths, channels, width = [5, 1, 2, 9], 6, 4
+    x = torch.randn(sum(lengths), channels, generator=gen)
+    weight = torch.randn(channels, width, generator=gen)
+    states = torch.randn(len(lengths), channels, width - 1, generator=gen)
+    got, got_states = gated_delta.causal_conv_varlen(x, weight, states, lengths)
+    where, longest = gated_delta.packed_to_padded(lengths, x.device)
+    padded = x.new_zeros(len(lengths) * longest, channels)
+    padded[where] = x
+    want, want_states = gated_delta.causal_conv(
+        padded.view(len(lengths), longest, -1), weight, states, torch.tensor(lengths)
+    )
+    torch.testing.assert_close(got, want.reshape(-1, channels)[where])
+    torch.testing.assert_close(got_states, want_states)
+    assert torch.equal(got_states[1], torch.cat([states[1, :, 1:], x[5:6].t()], dim=1))
+
+
+def fla_stand_in(calls: list):
+    """fla's `chunk_gated_delta_rule` as its docstring and its reference (fla/ops/
+    gated_delta_rule/naive.py) define it, for what the wrapper asks of it: varlen inputs
+    [1, T, H, D] cut by cu_seqlens, value head h reading key head h // (HV / H), the state
+    [N, HV, K, V] read as S^T q, g the natural-log decay, q and k L2-normalised inside, q times
+    `scale`; token by token in float64 (`delta_rule_by_definition`). Records each call."""
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, **rest):  # fmt: skip
+        calls.append(len(cu_seqlens_cpu) - 1)
+        n, (_, _, hk, dk), hv = len(cu_seqlens_cpu) - 1, q.shape, v.shape[2]
+        assert q.shape[0] == 1 and k.shape == q.shape and v.shape[:2] == q.shape[:2] and hv % hk == 0
+        assert g.shape == beta.shape == (1, q.shape[1], hv) and g.dtype == beta.dtype == torch.float32
+        assert cu_seqlens.dtype == cu_seqlens_cpu.dtype == torch.long and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
+        assert int(cu_seqlens_cpu[-1]) == q.shape[1] and use_qk_l2norm_in_kernel and output_final_state and not rest
+        assert initial_state.shape == (n, hv, dk, v.shape[3]) and initial_state.dtype == torch.float32
+        o, finals = torch.zeros(v.shape[1:], dtype=torch.float64), []
+        for i in range(n):
+            t = slice(int(cu_seqlens_cpu[i]), int(cu_seqlens_cpu[i + 1]))
+            o_i, s_i = delta_rule_by_definition(q[0, t], k[0, t], v[0, t], g[0, t], beta[0, t], initial_state[i])
+            o[t] = o_i * scale * dk**0.5  # the definition scales by Dk^-1/2
+            finals.append(s_i)
+        return o[None].to(q.dtype), torch.stack(finals).float()
+
+    return chunk_gated_delta_rule
+
+
+def test_fla_left_alone_on_cpu_and_when_missing(monkeypatch):
+    """Off CUDA the fla entry is the twin and never imports fla; on CUDA fp32 stays on the
+    twin, and an fla that does not import leaves the twin in place, the reason in words."""
+
+    def no_import():
+        raise AssertionError("fla imported")
+
+    monkeypatch.setattr(gated_delta_fla, "_load", no_import)
+    lengths = [70, 5]
+    _, packed, states = packed_rule_inputs(lengths)
+    for dtype in (torch.float32, torch.bfloat16):
+        args = [t.to(dtype) for t in packed[:3]] + packed[3:]
+        o, s = gated_delta_fla.delta_rule_varlen(*args, states, lengths)
+        want_o, want_s = gated_delta.delta_rule_varlen(*args, states, lengths)
+        assert o.dtype == torch.float32 and torch.equal(o, want_o) and torch.equal(s, want_s)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    assert gated_delta_fla.unusable_reason("cpu", bf16) == "not on CUDA"
+    assert "TF32" in gated_delta_fla.unusable_reason(cuda, torch.float32)
+    assert prefill_path(torch.device("cpu"), bf16, KernelSwitches()).startswith("torch chunked rule")
+    monkeypatch.setattr(gated_delta_fla, "_load", lambda: (None, "ModuleNotFoundError: No module named 'fla'"))
+    assert (
+        gated_delta_fla.unusable_reason(cuda, bf16)
+        == "fla-core is not importable (ModuleNotFoundError: No module named 'fla')"
+    )
+    assert "not importable" in prefill_path(cuda, bf16, KernelSwitches())
+    with pytest.raises(RuntimeError, match="not importable"):
+        gated_delta_fla.fla_varlen(*packed, states, lengths)
+    monkeypatch.setattr(gated_delta_fla, "_load", lambda: (fla_stand_in([]), "0.5.2"))
+    assert gated_delta_fla.unusable_reason(cuda, bf16) is None
+    assert prefill_path(cuda, bf16, KernelSwitches()) == "fla-core 0.5.2 chunked kernels, requests packed (cu_seqlens)"
+    assert "NANOSERVE_FLA=0" in prefill_path(cuda, bf16, KernelSwitches(fla=False))
+
+
+def test_fla_wrapper_maps_layouts_onto_its_contract(monkeypatch):
+    """`fla_varlen` hands fla one varlen batch in fla's layout (through the stand-in, on CPU):
+    outputs and final states equal the twin's; the states passed in are left as they were."""
+    calls = []
+    monkeypatch.setattr(gated_delta_fla, "_load", lambda: (fla_stand_in(calls), "stand-in"))
+    lengths = [70, 23, 1, 64]
+    _, packed, states = packed_rule_inputs(lengths, dk=16, dv=8)
+    before = states.clone()
+    o, s = gated_delta_fla.fla_varlen(*packed, states, lengths)
+    want_o, want_s = gated_delta.delta_rule_varlen(*packed, states, lengths)
+    assert calls == [4] and torch.equal(states, before)
+    torch.testing.assert_close(o, want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, want_s, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"chunked_prefill_size": 16, "page_size": 4}])
+def test_engine_fast_prefill_path_through_the_stand_in(qwen35, monkeypatch, engine_args):
+    """The engine's fast extend path on CPU (the packed convolution, the fla wrapper, the
+    state rows gathered and written back), fla's kernel replaced by the stand-in: greedy tokens
+    equal transformers'. Whole prompts (up to 150 tokens: several fla chunks) and chunks of
+    16 (states carried into later extends, mixed steps)."""
+    calls = []
+    monkeypatch.setattr(gated_delta_fla, "_load", lambda: (fla_stand_in(calls), "stand-in"))
+    monkeypatch.setattr(gated_delta_fla, "usable", lambda x: True)
+    path, prompts, reference = qwen35
+    assert tokens_of(LLM(str(path), device="cpu", **engine_args), prompts) == reference
+    assert calls and max(calls) > 1  # the fast path ran, with several requests in one extend
 
 
 @pytest.mark.skipif(

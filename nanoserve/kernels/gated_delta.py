@@ -26,9 +26,16 @@ A[t, r] = beta_t exp(G_t - G_r) (k_t . k_r) for r < t. Both compute in fp32.
 The convolution is depthwise over time with kernel width W: each channel's output at t reads
 its inputs t-W+1..t; the W-1 inputs before a sequence's new tokens come from its conv state
 (zeros at the start), and the state afterwards holds the last W-1 inputs.
+
+Several sequences of an extend batch come packed, one after another ([T, ...] with their
+lengths): `causal_conv_varlen` convolves them so, and `delta_rule_varlen` runs them through
+the chunked rule right-padded side by side as heads (the torch twin of
+nanoserve.kernels.gated_delta_fla, which runs them packed through fla-core's kernels on CUDA).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +66,50 @@ def causal_conv(
     cols = lengths[:, None] + torch.arange(width - 1, device=x.device)
     new_states = full.gather(2, cols[:, None, :].expand(-1, full.shape[1], -1))
     return F.silu(out).transpose(1, 2), new_states
+
+
+def packed_to_padded(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
+    """(where [T], longest): sequences packed one after another (lengths[r] rows each) as rows
+    of a [R * longest] layout right-padded to the longest: packed row i of sequence r, its
+    j-th, sits at where[i] = r * longest + j."""
+    longest = max(lengths)
+    offsets = torch.arange(len(lengths)) * longest - torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    where = torch.arange(sum(lengths)) + offsets.repeat_interleave(torch.tensor(lengths))
+    return where.to(device), longest
+
+
+@functools.lru_cache(maxsize=8)
+def _varlen_columns(lengths: tuple[int, ...], lead: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """`causal_conv_varlen`'s columns for these lengths (the same tensors for every layer of a
+    forward; copied without a host sync): (each packed row's input column, each sequence's W-1
+    state columns, its last W-1 columns, each packed row's output column)."""
+    n = len(lengths)
+    seq = torch.arange(n).repeat_interleave(torch.tensor(lengths))  # each packed row's sequence
+    # sequence r's block of W-1 + lengths[r] columns starts at (its first packed row) + r (W-1)
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0) + torch.arange(n) * lead
+    x_cols = torch.arange(sum(lengths)) + (seq + 1) * lead
+    ends = starts + lead + torch.tensor(lengths)  # one past each block's last column
+    state_cols = (starts[:, None] + torch.arange(lead)).flatten()
+    last_cols = (ends[:, None] - lead + torch.arange(lead)).flatten()
+    return tuple(t.to(device, non_blocking=True) for t in (x_cols, state_cols, last_cols, x_cols - lead))
+
+
+def causal_conv_varlen(
+    x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, lengths: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv` for R sequences packed one after another without padding: x [T, C] holds
+    lengths[r] rows of sequence r after those of r - 1; `states` [R, C, W-1]. Returns (output
+    [T, C], new states [R, C, W-1]). One convolution over all of them: each sequence's W-1
+    earlier inputs are laid in front of its new ones, so no output window crosses from one
+    sequence into the next."""
+    channels, lead, n = x.shape[1], weight.shape[1] - 1, len(lengths)
+    x_cols, state_cols, last_cols, out_cols = _varlen_columns(tuple(lengths), lead, x.device)
+    full = x.new_empty(channels, x.shape[0] + n * lead)  # [C, T + R (W-1)]
+    full[:, x_cols] = x.t()
+    full[:, state_cols] = states.to(x.dtype).permute(1, 0, 2).reshape(channels, -1)
+    out = F.conv1d(full[None], weight[:, None, :].to(x.dtype), groups=weight.shape[0])[0]  # [C, L - (W-1)]
+    new_states = full[:, last_cols].view(channels, n, lead).permute(1, 0, 2)
+    return F.silu(out[:, out_cols]).t().contiguous(), new_states
 
 
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
@@ -127,6 +178,34 @@ def delta_rule_chunked(
         tail = (cum[:, -1:] - cum).exp()  # exp(G_C - G_r)
         s = cum[:, -1].exp()[:, None, None] * s + (kc * tail[:, :, None]).transpose(1, 2) @ u
     return torch.cat(outs), s
+
+
+def delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    lengths: list[int],
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """R sequences packed one after another (lengths[r] tokens each): q, k [T, Hk, Dk], v [T, Hv,
+    Dv], g and beta [T, Hv], the states before them [R, Hv, Dk, Dv]. Returns (o [T, Hv, Dv]
+    fp32, the states after them [R, Hv, Dk, Dv] fp32). All in one chunked rule: each sequence
+    right-padded to the longest with zeros (g = 0 and beta = 0 leave its state as it is, and
+    its real tokens come before the padding), the sequences side by side as heads."""
+    n, hv = len(lengths), v.shape[1]
+    where, longest = packed_to_padded(lengths, q.device)
+
+    def side_by_side(t: torch.Tensor) -> torch.Tensor:  # packed [T, H, ...] -> [longest, R * H, ...]
+        out = t.new_zeros(n * longest, *t.shape[1:])
+        out[where] = t
+        return out.view(n, longest, *t.shape[1:]).transpose(0, 1).reshape(longest, n * t.shape[1], *t.shape[2:])
+
+    o, s = delta_rule_chunked(*map(side_by_side, (q, k, v, g, beta)), states.flatten(0, 1), chunk=chunk)
+    o = o.view(longest, n, hv, -1).transpose(0, 1).reshape(n * longest, hv, -1)
+    return o[where], s.view(n, hv, *s.shape[1:])
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

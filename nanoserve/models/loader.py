@@ -13,6 +13,7 @@ CPU (or with keep_fp8=False) the weights are dequantized to the compute dtype at
 from __future__ import annotations
 
 import json
+import logging
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,11 +30,13 @@ from nanoserve.models.gpt_oss import hf_shapes as gpt_oss_shapes
 from nanoserve.models.layers import ColumnParallelLinear, RowParallelLinear, init_unloaded
 from nanoserve.models.model_config import ModelConfig
 from nanoserve.models.moe import hf_moe_shapes
-from nanoserve.models.qwen3_5 import Qwen35DecoderLayer
+from nanoserve.models.qwen3_5 import Qwen35DecoderLayer, prefill_path
 from nanoserve.models.qwen3_5 import hf_shapes as qwen3_5_shapes
 from nanoserve.models.qwen3_5 import text_checkpoint as qwen3_5_text_checkpoint
 from nanoserve.models.registry import ModelSource, gguf_metadata
 from nanoserve.switches import KernelSwitches
+
+log = logging.getLogger("nanoserve")
 
 Checkpoint = Iterator[tuple[str, torch.Tensor]]
 
@@ -301,6 +304,8 @@ def build_model(
         checkpoint = quant.quantized_online(checkpoint, device, keep, dtype)
     with torch.no_grad():
         load_weights(model, checkpoint)
+    if cfg.linear is not None:
+        log.info("Gated DeltaNet prefill: %s", prefill_path(device, dtype, switches or KernelSwitches()))
     return model.eval()
 
 

@@ -16,7 +16,9 @@ Each layer's mixer crosses the piece boundary (see decoder.py) as three tensors 
   convolution [T, conv_dim], the gate z [T, Hv * Dv] and the write-strength and decay inputs
   [T, 2 Hv]; `mix` runs the convolution and the delta rule against the request's state
   (nanoserve.kvcache.linear_state), then the gated norm, and returns [T, Hv * Dv] for
-  out_proj.
+  out_proj. An extend's chunked rule runs through fla-core's kernels on CUDA in 16-bit where
+  fla imports (nanoserve.kernels.gated_delta_fla; `prefill_path` says which, the switch
+  NANOSERVE_FLA turns it off), else through the torch twin.
 Rows mix only inside `mix`, so everything else stays row-wise. Tensor parallelism is not
 supported for these layers (refused at start).
 """
@@ -31,7 +33,7 @@ from torch import nn
 
 from nanoserve.attention.base import ForwardBatch, KVSink
 from nanoserve.distributed import TPGroup
-from nanoserve.kernels import gated_delta
+from nanoserve.kernels import gated_delta, gated_delta_fla
 from nanoserve.models.decoder import Attention, AttentionInputs, DecoderLayer, _mlp_block
 from nanoserve.models.layers import (
     ColumnParallelLinear,
@@ -42,6 +44,7 @@ from nanoserve.models.layers import (
     _SwitchedLayer,
 )
 from nanoserve.models.model_config import ModelConfig
+from nanoserve.switches import KernelSwitches
 
 
 class GatedAttention(Attention):
@@ -111,7 +114,7 @@ class GatedDeltaNet(_SwitchedLayer):
         """The convolution, the delta rule over each request's state and the gated norm:
         [T, Hv * Dv] in the model's dtype. Rows of one token each (a decode step, a mixed
         step's leading decode rows) go through the step at once (graph-safe); the other
-        requests' tokens request by request, in chunks."""
+        requests' tokens all together through the chunked rule (`_extend`)."""
         states, meta = batch.linear_states, batch.meta
         if states.rows_host is None:
             return self._decode_rows(states.pool, qkv, z, ba, states.rows, meta.prefix_lens)
@@ -157,45 +160,38 @@ class GatedDeltaNet(_SwitchedLayer):
         rec_states[rows] = rec
         return self._gated_norm(out, z, qkv.dtype)
 
+    def fla_prefill(self, x: torch.Tensor) -> bool:
+        """Whether an extend of activations like `x` runs the fast path (see `prefill_path`)."""
+        return self.switches.fla and gated_delta_fla.usable(x)
+
     def _extend(self, pool, qkv, z, ba, rows: list[int], prefixes: list[int], lengths: list[int]) -> torch.Tensor:
-        """Each request's tokens (lengths[i] of them after prefixes[i]), all requests at once:
-        right-padded to the longest, the padding written with g = 0 and beta = 0 (no decay, no
-        write), the requests side by side as heads of one chunked delta rule (eager)."""
-        lin = self.lin
+        """Each request's tokens (lengths[i] of them after prefixes[i], packed one request after
+        another), all requests at once. Fast path (`fla_prefill`): the convolution and fla-core's
+        varlen chunked delta rule over the packed tokens (cu_seqlens, no padding). Slow twin:
+        the requests right-padded to the longest, convolved as a batch and run side by side as
+        heads of one torch chunked rule (the padding written with g = 0 and beta = 0: no decay,
+        no write)."""
         conv_states, rec_states, weight = self._pools(pool)
         g, beta = self._gates(ba)
-        dev, n, longest = qkv.device, len(rows), max(lengths)
-        slot = torch.tensor(rows, device=dev)
-        fresh = torch.tensor([p == 0 for p in prefixes], device=dev)[:, None, None]  # start from zeros
-        # packed row -> padded row r * longest + j
-        where = torch.cat([torch.arange(length, device=dev) + r * longest for r, length in enumerate(lengths)])
-
-        def padded(t: torch.Tensor) -> torch.Tensor:
-            out = t.new_zeros(n * longest, *t.shape[1:])
-            out[where] = t
-            return out.view(n, longest, *t.shape[1:])
-
-        x, conv_states[slot] = gated_delta.causal_conv(
-            padded(qkv), weight, conv_states[slot].masked_fill(fresh, 0), torch.tensor(lengths, device=dev)
-        )
-        q, k, v = self._split_heads(x.reshape(n * longest, -1))
-
-        def side_by_side(t: torch.Tensor) -> torch.Tensor:  # [n * longest, H, ...] -> [longest, n * H, ...]
-            t = t.view(n, longest, *t.shape[1:]).transpose(0, 1)
-            return t.reshape(longest, -1, *t.shape[3:])
-
-        rec0 = rec_states[slot].masked_fill(fresh[..., None], 0).flatten(0, 1)  # [n * Hv, Dk, Dv]
-        o, rec = gated_delta.delta_rule_chunked(
-            side_by_side(q), side_by_side(k), side_by_side(v),
-            side_by_side(padded(g).flatten(0, 1)), side_by_side(padded(beta).flatten(0, 1)), rec0,
-        )  # fmt: skip
-        rec_states[slot] = rec.view(n, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim)
-        o = (
-            o.view(longest, n, lin.num_v_heads, lin.head_v_dim)
-            .transpose(0, 1)
-            .reshape(n * longest, lin.num_v_heads, -1)
-        )
-        return self._gated_norm(o[where], z, qkv.dtype)
+        dev = qkv.device
+        slot = torch.tensor(rows).to(dev, non_blocking=True)
+        fresh = torch.tensor([p == 0 for p in prefixes]).to(dev, non_blocking=True)[:, None, None]  # from zeros
+        conv0 = conv_states[slot].masked_fill(fresh, 0)
+        fast = self.fla_prefill(qkv)
+        if fast:
+            x, conv_states[slot] = gated_delta.causal_conv_varlen(qkv, weight, conv0, lengths)
+        else:
+            where, longest = gated_delta.packed_to_padded(lengths, dev)
+            padded = qkv.new_zeros(len(lengths) * longest, qkv.shape[1])
+            padded[where] = qkv
+            x, conv_states[slot] = gated_delta.causal_conv(
+                padded.view(len(lengths), longest, -1), weight, conv0, torch.tensor(lengths, device=dev)
+            )
+            x = x.reshape(len(lengths) * longest, -1)[where]
+        q, k, v = self._split_heads(x)
+        rec0 = rec_states[slot].masked_fill(fresh[..., None], 0)
+        o, rec_states[slot] = gated_delta_fla.delta_rule_varlen(q, k, v, g, beta, rec0, lengths, use_fla=fast)
+        return self._gated_norm(o, z, qkv.dtype)
 
     def _gated_norm(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         lin = self.lin
@@ -249,6 +245,16 @@ class Qwen35DecoderLayer(DecoderLayer):
         hidden = self.mixer.after_attention(attn_out)
         hidden, residual = self.post_attention_layernorm(hidden, residual, reduce_over=self.tp)
         return self.mlp(hidden), residual
+
+
+def prefill_path(device: torch.device, dtype: torch.dtype, switches: KernelSwitches) -> str:
+    """Which path a Gated DeltaNet layer's extend (prefill) takes on `device` in `dtype`, in
+    words, for the start-up log and benchmarks (`GatedDeltaNet.fla_prefill` decides per call)."""
+    why = None if switches.fla else f"{KernelSwitches.env_name('fla')}=0"
+    why = why or gated_delta_fla.unusable_reason(device, dtype)
+    if why is None:
+        return f"fla-core {gated_delta_fla.version()} chunked kernels, requests packed (cu_seqlens)"
+    return f"torch chunked rule, requests padded side by side ({why})"
 
 
 def hf_shapes(cfg: ModelConfig, i: int, prefix: str) -> dict[str, tuple[int, ...]]:
