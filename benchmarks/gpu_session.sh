@@ -5,6 +5,11 @@
 #   STAGES=serving SERVE_RATES=16,32,inf SERVE_POLICIES=mixed [SERVE_ARGS="--num-prompts 50"] [SERVER_ARGS="--max-queued-requests 64"] bash benchmarks/gpu_session.sh
 #   STAGES=overload OVERLOAD_PROMPTS="200 300 600" OVERLOAD_VARIANTS="default|--burst-start 2|--burst-max-running 32|--growth 1" bash benchmarks/gpu_session.sh
 #   STAGES=structured REPEAT=10 [STRUCTURED_ARGS="--passes 3"] bash benchmarks/gpu_session.sh;  STAGES=soak [SOAK_S=510] bash benchmarks/gpu_session.sh
+# Wheels the image lacks travel in .whl/ (carry ".whl", install as ../shared/gpu/wheels.sh prints): after
+# `bash ../shared/gpu/wheels.sh`, also `cp /opt/pypi/files/fla_core-0.5.2-py3-none-any.whl
+# /opt/pypi/files/einops-0.8.2-py3-none-any.whl .whl/` (the `gpu` extra: Qwen3.5's prefill through fla-core;
+# without them the torch twin runs and tests/test_gpu_fla.py skips). Qwen3.5 with fla, one device call each:
+#   STAGES=tests_fla bash benchmarks/gpu_session.sh;  STAGES=offline_qwen35 bash benchmarks/gpu_session.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 LOG=$OUT/session.log
@@ -67,6 +72,8 @@ for s in ${STAGES:-tests offline latency}; do
     long_context) stage long_context ${T_LONG:-300} python benchmarks/long_context.py $LONG_ARGS ;;
     long_context_keep) stage long_context_keep ${T_LONG:-300} python benchmarks/long_context.py --keep-pages $LONG_ARGS ;;
     tests_linear) stage tests_linear 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_linear_attention.py ;;
+    tests_fla) stage tests_fla 540 python -m pytest -m gpu -q -s -rs -p no:cacheprovider tests/test_gpu_fla.py tests/test_gpu_linear_attention.py ;;
+    offline_qwen35) stage offline_qwen35 ${T_QWEN35:-400} python benchmarks/offline_throughput.py --model qwen3.5-35b-a3b ;;
     latency_linear) stage latency_linear ${T_LINEAR:-300} python benchmarks/latency.py --models qwen3.5-9b qwen3.5-35b-a3b --repeats 2 ;;
     tests_spec) stage tests_spec 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_speculative.py tests/test_gpu_eagle3.py ;;
     eagle3) stage eagle3 150 python benchmarks/probes/eagle3_step.py --model llama-3.1-8b --draft-vocab 32000 --k 4 ;;
@@ -92,4 +99,4 @@ for s in ${STAGES:-tests offline latency}; do
              stage sampler_bench 120 python benchmarks/probes/sampler_bench.py ;;
   esac
 done
-grep -E "^=====|tok/s|TPOT|passed|failed|error|identical|x$" $LOG | tail -n 90
+grep -E "^=====|tok/s|TPOT|passed|failed|error|identical|x$|skipped|SKIPPED|Gated DeltaNet prefill|fla vs twin|relative:" $LOG | tail -n 90

@@ -34,6 +34,7 @@ from nanoserve.engine.compile_watch import CompileWatch
 from nanoserve.kvcache.pool import KVCache
 from nanoserve.models.decoder import kv_heads_per_rank
 from nanoserve.models.moe import SparseMoE
+from nanoserve.models.qwen3_5 import prefill_path
 
 NUM_SEQS = 256
 EXPECTED_PROMPT_TOKENS = 142_827
@@ -279,6 +280,8 @@ def main() -> None:
         f"graphs {'off' if graphs is None else f'1..{graphs.max_bs} ({graphs.capture_seconds:.1f} s, {graphs.memory_bytes / 2**30:.2f} GiB)'}, "
         f"overlap {'on' if engine.overlap else 'off'}"
     )
+    if cfg.linear is not None:
+        print(f"Gated DeltaNet prefill: {prefill_path(device, engine.dtype, engine.config.switches)}")
     print(f"host: {host}")
     print(
         f"elapsed {elapsed:.2f} s | output {total_out / elapsed:,.0f} tok/s | total {(total_prompt + total_out) / elapsed:,.0f} tok/s"

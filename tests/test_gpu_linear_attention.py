@@ -4,7 +4,10 @@ A tiny random Qwen3.5 in fp32: greedy tokens through the decode CUDA graphs (sta
 and written inside the graph, padding rows on the scratch row) and eagerly equal the CPU
 engine's, which tests/test_linear_attention.py holds equal to transformers. More requests than the largest
 captured graph and a batch padded up to a graph size are covered; nothing leaks. In bf16 the
-graph and eager runs use the same kernels: bit-equal.
+graph and eager runs use the same kernels: bit-equal (their prefill through fla-core where it
+imports). fp32 prefill stays on the torch twin even with fla (fla's fp32 products are TF32), so
+the fp32 runs here hold the twin on the GPU to the CPU's tokens; the fla path against the twin
+is tests/test_gpu_fla.py's.
 """
 
 from __future__ import annotations
