@@ -160,8 +160,9 @@ def fla_stand_in(calls: list):
     """fla's `chunk_gated_delta_rule` as its docstring and its reference (fla/ops/
     gated_delta_rule/naive.py) define it, for what the wrapper asks of it: varlen inputs
     [1, T, H, D] cut by cu_seqlens, value head h reading key head h // (HV / H), the state
-    [N, HV, K, V] read as S^T q, g the natural-log decay, q and k L2-normalised inside, q times
-    `scale`; token by token in float64 (`delta_rule_by_definition`). Records each call."""
+    [N, HV, K, V] read as S^T q, g the natural-log decay, q and k L2-normalised by the caller (the
+    in-kernel norm off), q times `scale`; token by token in float64 (`delta_rule_by_definition`,
+    whose own normalisation of unit vectors changes nothing). Records each call."""
 
     def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, **rest):  # fmt: skip
@@ -170,7 +171,11 @@ def fla_stand_in(calls: list):
         assert q.shape[0] == 1 and k.shape == q.shape and v.shape[:2] == q.shape[:2] and hv % hk == 0
         assert g.shape == beta.shape == (1, q.shape[1], hv) and g.dtype == beta.dtype == torch.float32
         assert cu_seqlens.dtype == cu_seqlens_cpu.dtype == torch.long and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
-        assert int(cu_seqlens_cpu[-1]) == q.shape[1] and use_qk_l2norm_in_kernel and output_final_state and not rest
+        assert int(cu_seqlens_cpu[-1]) == q.shape[1] and not use_qk_l2norm_in_kernel and output_final_state and not rest
+        for x in (q, k):  # normalised already
+            torch.testing.assert_close(
+                x.double().norm(dim=-1), torch.ones(x.shape[:-1], dtype=torch.float64), atol=1e-2, rtol=0
+            )
         assert initial_state.shape == (n, hv, dk, v.shape[3]) and initial_state.dtype == torch.float32
         o, finals = torch.zeros(v.shape[1:], dtype=torch.float64), []
         for i in range(n):

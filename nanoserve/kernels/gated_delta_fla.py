@@ -9,8 +9,9 @@ conventions map onto fla's:
   for the sequence boundaries (plus the same on the host, `cu_seqlens_cpu`: no device sync);
 - grouped heads: fla takes q and k with Hk heads and v with Hv (a multiple of Hk) and serves
   value head h with key head h // (Hv / Hk), as our `repeat_interleave`: nothing is expanded;
-- normalisation: q and k go in raw, with `use_qk_l2norm_in_kernel` (x / sqrt(sum x^2 + 1e-6),
-  our `l2norm`), and `scale` Dk^-1/2 is applied to q inside as ours is;
+- normalisation: q and k are normalised here (our `l2norm`, x / sqrt(sum x^2 + 1e-6), in fp32,
+  rounded to their dtype) and go in with `use_qk_l2norm_in_kernel` off; `scale` Dk^-1/2 is
+  applied to q inside as ours is;
 - g: the log-space decay in natural log, as ours (fla turns it into base 2 itself); beta: the
   write strength after the sigmoid; both fp32;
 - state: fla's [N, Hv, Dk, Dv] (the default `state_v_first=False`), S^T q as ours: our pool's
@@ -112,12 +113,17 @@ def fla_varlen(
     if chunk_gated_delta_rule is None:
         raise RuntimeError(f"fla-core is not importable ({info})")
     cu, cu_cpu = _cu_seqlens(tuple(lengths), q.device)
+    # q and k normalised here, not by fla (`use_qk_l2norm_in_kernel`): its l2norm kernel
+    # compiles anew for each new token count (25 compiles stalled the offline workload's
+    # steps on an H200, 2026-11-28); rounded to q's dtype as fla's in-kernel norm stores them.
+    q = gated_delta.l2norm(q.float()).to(q.dtype)
+    k = gated_delta.l2norm(k.float()).to(k.dtype)
     o, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None].float(), beta[None].float(),
         scale=q.shape[-1] ** -0.5,
         initial_state=states.float().contiguous(),
         output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
+        use_qk_l2norm_in_kernel=False,
         cu_seqlens=cu,
         cu_seqlens_cpu=cu_cpu,
     )  # fmt: skip
