@@ -55,7 +55,7 @@ def main() -> None:
         load_format="dummy",
         dtype="bfloat16",
         enable_prefix_caching=args.keep_pages,
-        max_model_len=args.context + DECODE_STEPS + 16,
+        max_model_len=args.context + 1024,
         max_num_seqs=max(args.batch, 8),
     )
     engine = llm.engine
@@ -69,15 +69,19 @@ def main() -> None:
         f"{layout.num_tensors} layers, window groups {layout.num_window_groups}"
     )
     prompts = [[(7 * i + 13 * r + 1) % 5000 + 10 for i in range(args.context)] for r in range(args.batch)]
-    params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 8, ignore_eos=True)
+    # Long enough that the first requests still decode when the last prompt is in (then aborted).
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     for r, prompt in enumerate(prompts):
         engine.add_request(f"r{r}", prompt, params)
+    sched = engine.scheduler
     started = time.perf_counter()
-    while any(req.num_computed < args.context for req in engine.scheduler.running + list(engine.scheduler.waiting)):
+    while sched.waiting or len(sched.running) < args.batch:
         engine.step()
     prefill_s = time.perf_counter() - started
-    for _ in range(4):  # the first decode steps (graphs warm)
+    for _ in range(4):  # the first decode steps of the whole batch (graphs warm)
         engine.step()
+    assert len(sched.running) == args.batch and not sched.waiting, "the batch must decode whole"
+    context = min(len(r.token_ids) for r in sched.running)
     torch.cuda.synchronize(device)
     started = time.perf_counter()
     for _ in range(DECODE_STEPS):
@@ -95,16 +99,19 @@ def main() -> None:
                 engine.step()
             torch.cuda.synchronize(device)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
+    for r in range(args.batch):
+        engine.abort_request(f"r{r}")
     while engine.has_unfinished_requests():
         engine.step()
     kv_token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * engine.kv_dtype.itemsize
-    kv_bytes = args.batch * kv_read_bytes(cfg, args.context + DECODE_STEPS // 2, kv_token_bytes)
+    kv_bytes = args.batch * kv_read_bytes(cfg, context + DECODE_STEPS // 2, kv_token_bytes)
     weights = step_weight_bytes(engine.runner.model, args.batch)
     bandwidth = copy_bandwidth(device)
     floor_ms = (weights + kv_bytes) / bandwidth * 1e3
     after = llm.stats()
     print(
-        f"prefill of {args.batch} x {args.context} tokens {prefill_s:.1f} s; decode step at batch {args.batch} "
+        f"prefill of {args.batch} x {args.context} tokens {prefill_s:.1f} s; decode step at batch {args.batch}, "
+        f"contexts {context}+ "
         f"{step_ms:.3f} ms, floor {floor_ms:.3f} ms (weights {weights / 2**30:.2f} GiB + KV read "
         f"{kv_bytes / 2**30:.2f} GiB at {bandwidth / 2**30:.0f} GiB/s): {floor_ms / step_ms:.1%} of the floor; "
         f"window pages given back {after['kv_window_pages_freed']}, pages free after {after['kv_pages_free']} "
