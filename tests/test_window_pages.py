@@ -107,7 +107,7 @@ def test_memory_held_while_decoding_is_the_window():
     layout = KVLayout.window_groups([8, 8, 0, 8])
     allocator = PageAllocator(200)
     kv_map = WindowMap(layout.num_window_groups, 200, 4, torch.device("cpu"))
-    pager = WindowPager(allocator, 4, layout.window, layout.num_window_groups, kv_map.set, lambda s, d: None)
+    pager = WindowPager(allocator, 4, layout, kv_map.set, lambda s, d: None)
     req = Request("r", GREEDY, 1, [1], arrival=0)
     for position in range(100):
         req.num_computed = position

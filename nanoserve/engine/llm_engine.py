@@ -43,7 +43,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.tp_runner import agree_kv_plan, init_tensor_parallel, wrap_runner
 from nanoserve.engine.compile_watch import log_compiles
-from nanoserve.engine.model_runner import ModelRunner, plan_kv_capacity, plan_window_groups
+from nanoserve.engine.model_runner import ModelRunner, kv_capacity, plan_kv_capacity, plan_window_groups
 from nanoserve.engine.pooling import LastTokenPooling
 from nanoserve.engine.sampler import Sampler, SampleRow
 from nanoserve.engine.speculative.proposer import DraftContext
@@ -123,20 +123,15 @@ class LLMEngine:
         plan = agree_kv_plan(plan, tp)
         self.runner = wrap_runner(ModelRunner(config, model, plan, self.device, self.kv_dtype, layout), tp)
         self.pooling = LastTokenPooling(model) if config.task == "embed" else None  # embedding model
-        capacity = plan.num_tokens
-        if layout is not None:
-            capacity = layout.max_tokens(plan.num_pages, plan.page_size, config.chunked_prefill_size)
+        capacity, self.kv_tokens_full_layout = kv_capacity(cfg, plan, layout, config.chunked_prefill_size)
         self.max_model_len = min(wanted_len, capacity)
         self.model_config = cfg
         self.allocator = PageAllocator(plan.num_pages)
         self.prefix_cache = RadixCache(self.allocator, plan.page_size) if config.enable_prefix_caching else None
         windows = None
-        if layout is not None:
-            kv = self.runner.kv_cache
-            groups = layout.num_window_groups
-            windows = WindowPager(
-                self.allocator, plan.page_size, layout.window, groups, self.runner.window_map.set, kv.copy_page
-            )
+        if layout is not None:  # sliding-window layers' pages (nanoserve.kvcache.window)
+            window_map, copy_page = self.runner.window_map, self.runner.kv_cache.copy_page
+            windows = WindowPager(self.allocator, plan.page_size, layout, window_map.set, copy_page)
         self.scheduler = Scheduler(
             self.allocator,
             plan.page_size,
@@ -199,24 +194,6 @@ class LLMEngine:
             self.max_model_len,
             time.perf_counter() - started,
         )
-        # What the same memory would hold if every layer kept K/V for every token: layers
-        # without K/V (linear attention) and window groups leave room to the others.
-        layers_per_page = cfg.num_kv_layers if layout is None else layout.num_tensors
-        self.kv_tokens_full_layout = plan.num_tokens * layers_per_page // cfg.num_layers
-        if layout is not None:
-            log.info(
-                "sliding-window layers give back pages out of their window (%d window groups of %d layers): "
-                "%d tokens of full-attention KV, a request holding at most %d pages more; %d tokens with "
-                "every layer keeping every token",
-                layout.num_window_groups, layers_per_page, plan.num_tokens,
-                layout.num_window_groups * layout.window_pages_per_request(plan.page_size, config.chunked_prefill_size),
-                self.kv_tokens_full_layout,
-            )  # fmt: skip
-        elif cfg.num_kv_layers < cfg.num_layers:
-            log.info(
-                "%d of %d layers keep K/V: %d tokens of KV cache, %d with every layer full attention",
-                cfg.num_kv_layers, cfg.num_layers, plan.num_tokens, self.kv_tokens_full_layout,
-            )  # fmt: skip
 
     def _warm_up(self) -> None:
         """Run a few requests through every kind of step before serving, so that the Triton

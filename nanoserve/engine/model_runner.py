@@ -72,6 +72,29 @@ def plan_kv_capacity(
     return KVPlan(num_pages, config.page_size, per_token)
 
 
+def kv_capacity(cfg: ModelConfig, plan: KVPlan, layout: KVLayout | None, chunk: int) -> tuple[int, int]:
+    """(the longest request the pages hold alone, the tokens the same memory would hold if
+    every layer kept K/V for every token), the latter logged where it differs: layers without
+    K/V (linear attention) and window groups leave room to the others."""
+    layers_per_page = cfg.num_kv_layers if layout is None else layout.num_tensors
+    full_layout = plan.num_tokens * layers_per_page // cfg.num_layers
+    if layout is not None:
+        window_pages = layout.num_window_groups * layout.window_pages_per_request(plan.page_size, chunk)
+        log.info(
+            "sliding-window layers give back pages out of their window (%d window groups of %d layers): "
+            "%d tokens of full-attention KV, a request holding at most %d pages more; %d tokens with every "
+            "layer keeping every token",
+            layout.num_window_groups, layers_per_page, plan.num_tokens, window_pages, full_layout,
+        )  # fmt: skip
+        return layout.max_tokens(plan.num_pages, plan.page_size, chunk), full_layout
+    if cfg.num_kv_layers < cfg.num_layers:
+        log.info(
+            "%d of %d layers keep K/V: %d tokens of KV cache, %d with every layer full attention",
+            cfg.num_kv_layers, cfg.num_layers, plan.num_tokens, full_layout,
+        )  # fmt: skip
+    return plan.num_tokens, full_layout
+
+
 def plan_window_groups(config: EngineConfig, cfg: ModelConfig, tp_size: int) -> KVLayout | None:
     """Window groups (nanoserve.kvcache.window) for a model with sliding-window and full layers,
     or None. Not with the prefix cache (a cached prefix would need its window's pages kept with

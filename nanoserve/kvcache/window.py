@@ -44,7 +44,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from nanoserve.kvcache.pool import PageAllocator, pages_for
+from nanoserve.kvcache.pool import KVLayout, PageAllocator, pages_for
 
 
 class WindowMap:
@@ -102,15 +102,14 @@ class WindowPager:
         self,
         allocator: PageAllocator,
         page_size: int,
-        window: int,
-        num_groups: int,
+        layout: KVLayout,
         set_map: Callable[[int, tuple[int, ...]], None],
         copy_page: Callable[[int, int], None],
     ):
         self.allocator = allocator
         self.page_size = page_size
-        self.window = window
-        self.num_groups = num_groups
+        self.window = layout.window
+        self.num_groups = layout.num_window_groups
         self.set_map = set_map
         self.copy_page = copy_page
         self.num_dropped = 0  # position pages given back early (each num_groups pages)
