@@ -18,7 +18,7 @@ from tests.tiny import WINDOWED, hf_greedy, make_tiny_model, random_prompts
 PROMPTS = random_prompts(6, seed=3, min_len=20, max_len=70)  # windows of 8: several per prompt
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-# Prefix cache off: window groups and the prefix cache exclude each other.
+# Prefix cache off unless a test turns it on (it keeps window pages of its own).
 ENGINE = {"device": "cpu", "enable_prefix_caching": False, "page_size": 4, "chunked_prefill_size": 16}
 
 
@@ -79,7 +79,12 @@ def test_preemption_on_a_small_cache(windowed_models):
     finish(llm)
 
 
-def test_forks_share_and_copy_window_pages(windowed_models):
+def keeping_every_page(monkeypatch) -> None:
+    """Engines built after this keep every page of every layer (no window groups)."""
+    monkeypatch.setattr("nanoserve.engine.llm_engine.plan_window_groups", lambda *args: None)
+
+
+def test_forks_share_and_copy_window_pages(windowed_models, monkeypatch):
     """n = 3 samples of a prompt fork after it: they share its window pages and copy the
     partly filled one; seeded sampling gives the same samples as with every page kept."""
     path, _ = windowed_models["gpt-oss"]
@@ -88,17 +93,42 @@ def test_forks_share_and_copy_window_pages(windowed_models):
     freeing = LLM(str(path), **ENGINE)
     got = [[c.token_ids for c in o.outputs] for o in freeing.generate(prompts, params, use_tqdm=False)]
     finish(freeing)
-    keeping = LLM(str(path), device="cpu", page_size=4, chunked_prefill_size=16)  # prefix cache on: pages kept
+    keeping_every_page(monkeypatch)
+    keeping = LLM(str(path), **ENGINE)
     assert keeping.engine.scheduler.windows is None
     want = [[c.token_ids for c in o.outputs] for o in keeping.generate(prompts, params, use_tqdm=False)]
     assert got == want
 
 
-def test_prefix_cache_keeps_every_page(windowed_models):
-    path, _ = windowed_models["gemma3"]
-    llm = LLM(str(path), device="cpu", page_size=4)
-    assert llm.engine.scheduler.windows is None
-    assert llm.engine.runner.kv_cache.layout.num_window_groups == 0
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_prefix_cache_keeps_the_last_window(windowed_models, arch):
+    """With the prefix cache on, a request's cached KV keeps its last window's pages: the same
+    prompts again hit (their prompts' ends), a conversation's next turn hits its whole previous
+    turn, and tokens stay transformers'. Nothing leaks, the cache's pages aside."""
+    path, reference = windowed_models[arch]
+    llm = LLM(str(path), **{**ENGINE, "enable_prefix_caching": True, "kv_cache_tokens": 1600})  # pages reused
+    assert windows_of(llm) is not None
+    for attempt in range(2):
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference, f"pass {attempt}"
+        cached = [o.num_cached_tokens for o in outs]
+        assert (sum(cached) > 0) == (attempt == 1), cached
+    # The next turn: the previous prompt and its output, then more.
+    turn = PROMPTS[0] + reference[0] + [5, 6, 7, 8, 9]
+    (out,) = llm.generate([turn], GREEDY, use_tqdm=False)
+    assert out.num_cached_tokens >= len(PROMPTS[0]) + NEW_TOKENS - 4 - 4  # up to the last page boundary
+    assert out.outputs[0].token_ids == hf_greedy(path, [turn], NEW_TOKENS)[0]
+    # A prompt sharing only the first 40 tokens of a cached one: the window before token 40 was
+    # given back while that prompt was computed, so the hit stops where a whole window is kept.
+    branch = PROMPTS[3][:40] + [11, 12, 13] * 7
+    assert len(PROMPTS[3]) > 60
+    (out,) = llm.generate([branch], GREEDY, use_tqdm=False)
+    assert out.num_cached_tokens < 40 - 8
+    assert out.outputs[0].token_ids == hf_greedy(path, [branch], NEW_TOKENS)[0]
+    assert windows_of(llm).num_dropped > 0
+    stats = llm.stats()
+    assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"], stats
+    llm.engine.check_invariants()
 
 
 def test_memory_held_while_decoding_is_the_window():

@@ -97,17 +97,15 @@ def kv_capacity(cfg: ModelConfig, plan: KVPlan, layout: KVLayout | None, chunk: 
 
 def plan_window_groups(config: EngineConfig, cfg: ModelConfig, tp_size: int) -> KVLayout | None:
     """Window groups (nanoserve.kvcache.window) for a model with sliding-window and full layers,
-    or None. Not with the prefix cache (a cached prefix would need its window's pages kept with
-    it), speculative decoding (its lookahead pages) or tensor parallelism (the map's updates are
-    not part of the step message): there sliding layers keep every page, as do models where
-    window groups do not apply (`KVLayout.window_groups`)."""
+    or None. Not with speculative decoding (its lookahead pages) or tensor parallelism (the
+    map's updates are not part of the step message): there sliding layers keep every page, as
+    do models where window groups do not apply (`KVLayout.window_groups`)."""
     layout = KVLayout.window_groups(layer_windows(cfg))
     if layout is None:
         return None
     blockers = [
         name
         for name, on in (
-            ("the prefix cache (--no-prefix-cache turns it off)", config.enable_prefix_caching),
             ("speculative decoding", config.speculative_algorithm is not None),
             ("tensor parallelism", tp_size > 1),
         )

@@ -43,6 +43,13 @@ Invariants (`check_invariants` verifies them; tests/test_radix_cache.py drives i
 Splitting a node never changes what is cached, which pages are protected, or any
 handle's meaning: the original node object keeps the lower part, so a handle taken
 before the split still names the same prefix.
+
+Window groups (nanoserve.kvcache.window): a node may also hold, per page of its key, the
+windowed layers' pages of those positions (`windows[i]`: a tuple of one page per window
+group, or None where the inserting request had given them back). They are stored pages like
+the others for invariants 2, 3 and 6 (counted, retained, evicted with their node); a match
+returns them along the path (`PrefixMatch.windows`) and the caller uses only as much of the
+match as has its last window's pages.
 """
 
 from __future__ import annotations
@@ -67,6 +74,14 @@ class RadixNode:
     lock_ref: int = 0  # invariant 4
     last_access: int = 0  # logical clock of the last touch (invariant 5)
     detached: bool = False  # evicted or reset: no longer a valid handle
+    # Window groups: [] (none), or per page the windowed layers' pages of its positions (None: not kept).
+    windows: list[tuple[int, ...] | None] = field(default_factory=list)
+
+    def stored(self) -> list[int]:
+        """Every page the node holds: its pages, then its window pages."""
+        if not self.windows:
+            return self.pages
+        return self.pages + [p for w in self.windows if w is not None for p in w]
 
     def __repr__(self) -> str:
         return f"RadixNode(id={self.node_id}, tokens={len(self.key)}, pages={self.pages}, lock_ref={self.lock_ref})"
@@ -83,6 +98,7 @@ class PrefixMatch:
     pages: list[int]
     num_tokens: int
     node: RadixNode
+    windows: list[tuple[int, ...] | None] = field(default_factory=list)  # per page, with window groups
 
 
 class RadixCache:
@@ -137,7 +153,7 @@ class RadixCache:
         """Pages `evict` would return to the free list if it evicted everything it
         may: cache-only pages in unlocked nodes. O(cached pages)."""
         return sum(
-            1 for node in self._nodes() if node.lock_ref == 0 for p in node.pages if self.allocator.refcount(p) == 1
+            1 for node in self._nodes() if node.lock_ref == 0 for p in node.stored() if self.allocator.refcount(p) == 1
         )
 
     @property
@@ -166,7 +182,7 @@ class RadixCache:
             self._touch(node)
             self.query_tokens += len(token_ids)
             self.hit_tokens += matched
-        return PrefixMatch(pages=self._path_pages(node), num_tokens=matched, node=node)
+        return PrefixMatch(self._path_pages(node), matched, node, self._path_pages(node, "windows"))
 
     # ---- locking --------------------------------------------------------------
 
@@ -178,8 +194,9 @@ class RadixCache:
         self._check_handle(node)
         while node is not self._root:
             if node.lock_ref == 0:
-                self._num_evictable -= len(node.pages)
-                self._num_protected += len(node.pages)
+                n = len(node.stored())
+                self._num_evictable -= n
+                self._num_protected += n
             node.lock_ref += 1
             node = node.parent
 
@@ -191,13 +208,16 @@ class RadixCache:
         while node is not self._root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._num_protected -= len(node.pages)
-                self._num_evictable += len(node.pages)
+                n = len(node.stored())
+                self._num_protected -= n
+                self._num_evictable += n
             node = node.parent
 
     # ---- insertion ------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
+    def insert(
+        self, token_ids: Sequence[int], pages: Sequence[int], windows: Sequence[tuple[int, ...] | None] = ()
+    ) -> int:
         """Cache the KV of token_ids' whole pages; return how many tokens were cached already.
 
         `pages[i]` must hold the KV of token_ids[i*P:(i+1)*P]; pass either exactly the
@@ -221,6 +241,9 @@ class RadixCache:
         Had the request computed [5, 6] itself on pages [1, 2], it would pass [1, 2, 9, 10]:
         n == 2 still, the tree keeps 3 and 4 and retains 9, 10, and the release frees 1, 2.
 
+        `windows` (window groups): per page of `pages`, the caller's window pages of its
+        positions or None; stored with the pages they belong to, on the same terms.
+
         Raises ValueError (before changing what is cached) if the page count does not
         fit, or a page to store is already in the tree, repeated, reserved, or not
         held by the caller.
@@ -235,13 +258,16 @@ class RadixCache:
         node, cached = self._walk(key)
         new_pages = [int(p) for p in pages[cached // P : num_full]]
         if new_pages:
-            self._check_adoptable(new_pages)
-            self.allocator.retain(new_pages)
-            self.allocator.mark_cached(new_pages, True)
             leaf = RadixNode(key=key[cached:], pages=new_pages, parent=node, node_id=next(self._ids))
+            if windows:
+                leaf.windows = list(windows[cached // P : num_full])
+            stored = leaf.stored()
+            self._check_adoptable(stored)
+            self.allocator.retain(stored)
+            self.allocator.mark_cached(stored, True)
             node.children[leaf.key[:P]] = leaf
-            self._pages.update(new_pages)
-            self._num_evictable += len(new_pages)  # a new leaf is unlocked
+            self._pages.update(stored)
+            self._num_evictable += len(stored)  # a new leaf is unlocked
             node = leaf
         self._touch(node)
         return cached
@@ -298,22 +324,24 @@ class RadixCache:
         for node in self._nodes():
             if node.detached or not node.key or len(node.key) != P * len(node.pages):
                 fail(f"bad node shape {node!r}")
+            if node.windows and len(node.windows) != len(node.pages):
+                fail(f"{node!r} has window pages for {len(node.windows)} of its {len(node.pages)} pages")
             if node.parent.children.get(node.key[:P]) is not node:
                 fail(f"{node!r} not filed under its first page")
             if node.parent is not root and node.last_access > node.parent.last_access:
                 fail(f"{node!r} more recent than its parent")
             if node.lock_ref < sum(c.lock_ref for c in node.children.values()) or node.lock_ref < 0:
                 fail(f"{node!r} lock_ref below its children's")
-            for p in node.pages:
+            for p in node.stored():
                 if p in seen or p == PageAllocator.RESERVED_PAGE:
                     fail(f"page {p} stored twice or reserved")
                 if self.allocator.refcount(p) < 1:
                     fail(f"cached page {p} is free")
                 seen.add(p)
             if node.lock_ref:
-                protected += len(node.pages)
+                protected += len(node.stored())
             else:
-                evictable += len(node.pages)
+                evictable += len(node.stored())
         if seen != self._pages:
             fail("page set out of sync with the tree")
         if (evictable, protected) != (self._num_evictable, self._num_protected):
@@ -372,6 +400,8 @@ class RadixCache:
             lock_ref=node.lock_ref,
             last_access=node.last_access,
         )
+        if node.windows:
+            upper.windows, node.windows = node.windows[: at // P], node.windows[at // P :]
         upper.parent.children[upper.key[:P]] = upper  # same first page: replaces node
         node.key, node.pages, node.parent = node.key[at:], node.pages[at // P :], upper
         upper.children[node.key[:P]] = node
@@ -383,11 +413,15 @@ class RadixCache:
             node.last_access = self._clock
             node = node.parent
 
-    def _path_pages(self, node: RadixNode) -> list[int]:
-        parts: list[list[int]] = []
+    def _path_pages(self, node: RadixNode, attr: str = "pages") -> list:
+        """The `pages` (or `windows`) of the path root..node, in order ([] for windows when
+        the tree keeps none)."""
+        parts: list[list] = []
         while node is not self._root:
-            parts.append(node.pages)
+            parts.append(getattr(node, attr))
             node = node.parent
+        if attr == "windows" and not all(parts):
+            return []
         return [p for part in reversed(parts) for p in part]
 
     def _nodes(self) -> Iterator[RadixNode]:
@@ -401,12 +435,13 @@ class RadixCache:
     def _drop(self, node: RadixNode) -> int:
         """Release the tree's reference on node's pages (node already unlinked or being
         reset); return how many went back to the free list."""
-        freed = sum(1 for p in node.pages if self.allocator.refcount(p) == 1)
-        self.allocator.mark_cached(node.pages, False)
-        self.allocator.release(node.pages)
-        self._pages.difference_update(node.pages)
+        stored = node.stored()
+        freed = sum(1 for p in stored if self.allocator.refcount(p) == 1)
+        self.allocator.mark_cached(stored, False)
+        self.allocator.release(stored)
+        self._pages.difference_update(stored)
         if node.lock_ref == 0:
-            self._num_evictable -= len(node.pages)
+            self._num_evictable -= len(stored)
         node.detached = True
         node.parent = None
         return freed

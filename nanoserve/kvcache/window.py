@@ -33,8 +33,11 @@ Invariants (`WindowPager.check` and the scheduler's page accounting):
   and map[:, pages[j]] equals entry j for every held entry (once the pending updates are
   flushed, which the runner does before every forward);
 - window pages are allocator pages like any other: held by the requests whose entries name
-  them (forks share them, each holding a reference), never by the prefix cache, which is off
-  with window groups (a cached prefix would need its last window's pages kept with it).
+  them (forks share them, each holding a reference) and by the prefix cache, which stores a
+  request's entries with its pages (those not yet given back: a prompt's last window when
+  its prompt is cached, its last window again when it ends). A cached prefix serves a request
+  only as far as the window before its end is kept (`usable_prefix`): a conversation's next
+  turn finds its previous turn's window, a prefix cut inside an old window finds less.
 """
 
 from __future__ import annotations
@@ -134,6 +137,29 @@ class WindowPager:
             pages = tuple(self.allocator.alloc(self.num_groups))
             req.window_pages.append(pages)
             self.set_map(req.pages[j], pages)
+
+    def usable_prefix(self, windows: list[tuple[int, ...] | None]) -> int:
+        """Of a cached prefix whose position pages have these window pages (None: not kept),
+        the most leading pages a request can take: those whose last window is kept whole
+        (its windowed layers read positions end - W + 1 .. end - 1 before computing on)."""
+        for k in range(len(windows), 0, -1):
+            first = max(0, k * self.page_size - self.window + 1) // self.page_size
+            if all(w is not None for w in windows[first:k]):
+                return k
+        return 0
+
+    def attach(self, req, windows: list[tuple[int, ...] | None]) -> None:
+        """`req` took a cached prefix of len(req.pages) pages whose window pages are `windows`:
+        it holds those of its last window (retained), as if it had computed them."""
+        k = len(req.pages)
+        first = max(0, k * self.page_size - self.window + 1) // self.page_size
+        req.window_start = first
+        req.window_pages = [None] * first
+        for j in range(first, k):
+            entry = windows[j]
+            self.allocator.retain(list(entry))
+            req.window_pages.append(entry)
+            self.set_map(req.pages[j], entry)  # unchanged while cached; restated for clarity
 
     def held(self, req) -> list[int]:
         return [p for entry in req.window_pages[req.window_start :] for p in entry]

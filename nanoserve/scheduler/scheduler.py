@@ -145,8 +145,6 @@ class Scheduler:
         # Window groups (nanoserve.kvcache.window): pages of windowed layers, given back once
         # out of the window. A position page then takes 1 + num_groups allocator pages.
         self.windows = windows
-        if windows is not None and prefix_cache is not None:
-            raise ValueError("window groups and the prefix cache exclude each other")
         self.pages_per_position_page = 1 + (windows.num_groups if windows is not None else 0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -204,18 +202,24 @@ class Scheduler:
         the pages it counts on. Undone by `_detach_prefix`, or kept by `_count_prefix`.
         """
         m = self.prefix_cache.match_prefix(req.token_ids[:-1], peek=True)
-        if m.num_tokens == 0:
+        usable = len(m.pages) if self.windows is None else self.windows.usable_prefix(m.windows)
+        if usable == 0:
             return
-        self.prefix_cache.lock(m.node)
-        self.allocator.retain(m.pages)
+        pages = m.pages[:usable]
+        self.prefix_cache.lock(m.node)  # (a deeper node than used pins a little more)
+        self.allocator.retain(pages)
         req.prefix_node = m.node
-        req.pages = m.pages
-        req.num_computed = m.num_tokens
+        req.pages = pages
+        req.num_computed = usable * self.page_size
+        if self.windows is not None:
+            self.windows.attach(req, m.windows)
 
     def _detach_prefix(self, req: Request) -> None:
         """Undo `_attach_prefix` for a request that is not admitted after all."""
         if req.pages:
             self.allocator.release(req.pages)
+        if self.windows is not None:
+            self.windows.release(req)
         if req.prefix_node is not None:
             self.prefix_cache.unlock(req.prefix_node)
         req.pages, req.prefix_node, req.num_computed = [], None, 0
@@ -233,7 +237,9 @@ class Scheduler:
         retains what it newly stores; the request keeps its own references)."""
         n = req.num_computed
         if n:
-            self.prefix_cache.insert(req.token_ids[:n], req.pages[: pages_for(n, self.page_size)])
+            num_pages = pages_for(n, self.page_size)
+            windows = req.window_pages[:num_pages] if self.windows is not None else ()
+            self.prefix_cache.insert(req.token_ids[:n], req.pages[:num_pages], windows)
 
     def _release(self, req: Request) -> None:
         """Return the request's pages, cache lock and slot; with a prefix cache, first
