@@ -5,7 +5,7 @@ copy bandwidth), and the KV capacity with window groups (the prefix cache off, p
 the window given back; nanoserve.kvcache.window) against the same memory with every layer
 keeping every token.
 
-    python benchmarks/long_context.py [--model gemma-3-12b] [--batch 8] [--context 16384] [--keep-pages]
+    python benchmarks/long_context.py [--model gemma-3-12b] [--batch 8] [--context 16384] [--keep-pages] [--profile]
 
 Capacity is counted in requests of `--context` tokens that fit at once, times that length, from
 the pages each request of the batch holds while decoding (with window groups: its full
@@ -15,6 +15,7 @@ layers' pages for every token, each window group's for its window), measured in 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,14 +48,18 @@ def main() -> None:
     ap.add_argument("--model", default="gemma-3-12b")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=16384)
-    ap.add_argument("--keep-pages", action="store_true", help="prefix cache on: sliding layers keep every page")
+    ap.add_argument(
+        "--keep-pages", action="store_true", help="sliding layers keep every page (NANOSERVE_WINDOW_PAGES=0)"
+    )
     ap.add_argument("--profile", action="store_true", help="print the kernels of 8 more decode steps by GPU time")
     args = ap.parse_args()
+    if args.keep_pages:
+        os.environ["NANOSERVE_WINDOW_PAGES"] = "0"
     llm = LLM(
         args.model,
         load_format="dummy",
         dtype="bfloat16",
-        enable_prefix_caching=args.keep_pages,
+        enable_prefix_caching=False,  # every prompt computed (the prompts differ anyway)
         max_model_len=args.context + 1024,
         max_num_seqs=max(args.batch, 8),
     )

@@ -58,6 +58,9 @@ class KernelSwitches:
     # Gated DeltaNet prefill (Qwen3.5) through fla-core's varlen chunked kernels on CUDA in 16-bit, where
     # fla imports; off: the torch chunked rule, requests padded side by side (nanoserve/kernels/gated_delta_fla.py).
     fla: bool = True
+    # Sliding-window layers give back the pages that fell out of their window (window groups,
+    # nanoserve/kvcache/window.py); off: every layer keeps every position, as full attention.
+    window_pages: bool = True
     # Tensor parallelism: all-reduce row-parallel partial sums in fp32 and round once (off: model dtype).
     tp_reduce_fp32: bool = False
     # Tensor parallelism: fused all-reduce + RMSNorm over symmetric memory in decode graphs; off: NCCL.

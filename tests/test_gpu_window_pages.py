@@ -1,11 +1,11 @@
 """Window groups on the GPU: `pytest -m gpu tests/test_gpu_window_pages.py`.
 
-Tiny random gpt-oss and Gemma 3 in fp32 with the prefix cache off, so that sliding-window
-layers give back pages out of their window (nanoserve.kvcache.window): greedy tokens through
+Tiny random gpt-oss and Gemma 3 in fp32, sliding-window layers giving back pages out of their
+window (nanoserve.kvcache.window), the prefix cache off unless said: greedy tokens through
 the decode CUDA graphs (the windowed layers' page tables gathered inside the graph) and
 eagerly equal the CPU engine's, which tests/test_window_pages.py holds equal to transformers;
-a cache small enough that given-back pages are reused. In bf16 graphs and eager runs are
-bit-equal."""
+a cache small enough that given-back pages are reused; with the prefix cache on, a second
+pass hits and still gives the CPU's tokens. In bf16 graphs and eager runs are bit-equal."""
 
 from __future__ import annotations
 
@@ -53,3 +53,18 @@ def test_bf16_graphs_equal_eager(model):
         for e in (False, True)
     ]
     assert runs[0] == runs[1]
+
+
+def test_fp32_prefix_cache_hits_equal_cpu(model):
+    """The prefix cache keeps its requests' last windows: a second pass over the same prompts
+    hits, through the decode graphs, with the CPU engine's tokens."""
+    path, prompts, _ = model
+    args = {**ENGINE, "enable_prefix_caching": True, "kv_cache_tokens": 4000}
+    runs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(path), device=device, dtype="float32", cuda_graph_max_bs=8, **args)
+        passes = [llm.generate(prompts, PARAMS, use_tqdm=False) for _ in range(2)]
+        assert sum(o.num_cached_tokens for o in passes[1]) > 0
+        llm.engine.check_invariants()
+        runs[device] = [[o.outputs[0].token_ids for o in outs] for outs in passes]
+    assert runs["cuda"] == runs["cpu"]

@@ -13,6 +13,7 @@ from nanoserve.kvcache.pool import KVLayout, PageAllocator
 from nanoserve.kvcache.window import WindowMap, WindowPager
 from nanoserve.models.registry import resolve_model
 from nanoserve.scheduler.request import Request
+from nanoserve.switches import KernelSwitches
 from tests.tiny import WINDOWED, hf_greedy, make_tiny_model, random_prompts
 
 PROMPTS = random_prompts(6, seed=3, min_len=20, max_len=70)  # windows of 8: several per prompt
@@ -79,12 +80,7 @@ def test_preemption_on_a_small_cache(windowed_models):
     finish(llm)
 
 
-def keeping_every_page(monkeypatch) -> None:
-    """Engines built after this keep every page of every layer (no window groups)."""
-    monkeypatch.setattr("nanoserve.engine.llm_engine.plan_window_groups", lambda *args: None)
-
-
-def test_forks_share_and_copy_window_pages(windowed_models, monkeypatch):
+def test_forks_share_and_copy_window_pages(windowed_models):
     """n = 3 samples of a prompt fork after it: they share its window pages and copy the
     partly filled one; seeded sampling gives the same samples as with every page kept."""
     path, _ = windowed_models["gpt-oss"]
@@ -93,8 +89,7 @@ def test_forks_share_and_copy_window_pages(windowed_models, monkeypatch):
     freeing = LLM(str(path), **ENGINE)
     got = [[c.token_ids for c in o.outputs] for o in freeing.generate(prompts, params, use_tqdm=False)]
     finish(freeing)
-    keeping_every_page(monkeypatch)
-    keeping = LLM(str(path), **ENGINE)
+    keeping = LLM(str(path), switches=KernelSwitches(window_pages=False), **ENGINE)  # every page kept
     assert keeping.engine.scheduler.windows is None
     want = [[c.token_ids for c in o.outputs] for o in keeping.generate(prompts, params, use_tqdm=False)]
     assert got == want

@@ -99,9 +99,10 @@ def plan_window_groups(config: EngineConfig, cfg: ModelConfig, tp_size: int) -> 
     """Window groups (nanoserve.kvcache.window) for a model with sliding-window and full layers,
     or None. Not with speculative decoding (its lookahead pages) or tensor parallelism (the
     map's updates are not part of the step message): there sliding layers keep every page, as
-    do models where window groups do not apply (`KVLayout.window_groups`)."""
+    do models where window groups do not apply (`KVLayout.window_groups`) and every model with
+    the switch `NANOSERVE_WINDOW_PAGES=0`."""
     layout = KVLayout.window_groups(layer_windows(cfg))
-    if layout is None:
+    if layout is None or not config.switches.window_pages:
         return None
     blockers = [
         name
