@@ -18,25 +18,14 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.speculative.acceptance import accept_greedy, accept_sampled
 from nanoserve.engine.speculative.ngram import NgramIndex, SuffixStore
-from tests.tiny import make_tiny_model
-
-
-def _first_layer_draft(target_dir, out_dir):
-    """A draft model: the target with only its first layer (same embedding and head)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
-    model.model.layers = model.model.layers[:1]
-    model.config.num_hidden_layers = 1
-    model.save_pretrained(str(out_dir))
-    return out_dir
+from tests.tiny import first_layer_draft, make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("speculative")
     target = make_tiny_model(d / "target", "llama", seed=0)
-    return {"target": target, "draft": _first_layer_draft(target, d / "draft")}
+    return {"target": target, "draft": first_layer_draft(target, d / "draft")}
 
 
 def _prompts() -> list[list[int]]:

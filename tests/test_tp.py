@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import LINEAR, TINY_CONFIGS, make_tiny_model, random_prompts
+from tiny import LINEAR, TINY_CONFIGS, first_layer_draft, make_tiny_model, random_prompts
 
 from nanoserve.attention.base import AttentionMetadata
 from nanoserve.distributed.tp_runner import (
@@ -105,6 +105,31 @@ def test_tp2_greedy_matches_tp1(model_dirs, arch):
         tp2.shutdown()
     assert len(pids) == 1
     assert not _alive(pids[0])
+
+
+@pytest.mark.parametrize("algo", ["ngram", "draft"])
+def test_tp2_speculative_greedy_matches_tp1_without(model_dirs, tmp_path, algo):
+    """Speculation under TP=2: verify steps are decode batches that rank 0 broadcasts (a draft
+    model runs unsharded on rank 0). Greedy output equals TP=1's without speculation, in the
+    overlap loop, with the prefix cache's second pass; no page is left behind."""
+    prompts = [p * 3 + p[:2] for p in random_prompts(4, seed=7, min_len=4, max_len=12)]  # repeats: n-grams match
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    spec = {"speculative_algorithm": algo, "speculative_num_draft_tokens": 4, "speculative_cost_gate": False}
+    if algo == "draft":
+        spec["speculative_draft_model"] = str(first_layer_draft(model_dirs["llama"], tmp_path / "draft"))
+    tp1 = LLM(str(model_dirs["llama"]), **ENGINE)
+    want = _tokens(tp1.generate(prompts, params, use_tqdm=False))
+    del tp1
+    tp2 = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, dist_timeout_s=60, **ENGINE, **spec)
+    try:
+        tp2.engine.overlap = True
+        got = [_tokens(tp2.generate(prompts, params, use_tqdm=False)) for _ in range(2)]
+        assert got == [want, want]
+        stats = tp2.engine.stats()
+        assert stats["vllm:spec_decode_num_drafts"] > 0 and stats["vllm:spec_decode_num_accepted_tokens"] > 0
+        _assert_idle_and_no_leak(tp2)
+    finally:
+        tp2.shutdown()
 
 
 def test_tp4_greedy_matches_tp1(model_dirs):

@@ -169,6 +169,18 @@ def make_tiny_gemma3_multimodal(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def first_layer_draft(target_dir: Path, out_dir: Path) -> Path:
+    """A draft model for speculative decoding: the target with only its first layer (same
+    embedding and head), so that some of its drafts are accepted and some rejected."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
 def random_prompts(num: int, seed: int = 0, min_len: int = 3, max_len: int = 80) -> list[list[int]]:
     rng = random.Random(seed)
     lengths = [min_len + (i * (max_len - min_len)) // max(num - 1, 1) for i in range(num)]
