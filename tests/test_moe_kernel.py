@@ -379,3 +379,77 @@ def test_gpu_graph_replay_bit_equal(T, E, k):
         eager = layer()
         torch.cuda.synchronize()
         assert torch.equal(static_out, eager)
+
+
+def fp8_inputs(T, H, inter, E, k, blocks, dtype=torch.float32, skew=0.0, device="cpu"):
+    """make_inputs with both weights in e4m3: `blocks` (bn, bk) scale blocks, or None per channel."""
+    hidden, w13, w2, weights, ids = make_inputs(T, H, inter, E, k, torch.float32, device, skew=skew)
+    bn, bk13, bk2 = (1, H, inter) if blocks is None else (blocks[0], blocks[1], blocks[1])
+    q13, s13 = moe.quantize_experts(w13, bn, bk13)
+    q2, s2 = moe.quantize_experts(w2, bn, bk2)
+    return hidden.to(dtype), q13, q2, weights, ids, moe.ExpertScales(s13, s2, bn, bk13, bk2)
+
+
+@interp
+@pytest.mark.parametrize("path", ["decode", "grouped"])
+@pytest.mark.parametrize("blocks", [None, (8, 16), (8, 24)])
+@pytest.mark.parametrize(("T", "H", "inter", "E", "k", "skew"), [INTERP_SHAPES[0], INTERP_SHAPES[3], INTERP_SHAPES[4]])
+def test_interp_fused_moe_fp8_experts(path, blocks, T, H, inter, E, k, skew):
+    """e4m3 experts with per-channel or block scales (blocks smaller than the kernels' tiles
+    and not dividing H: a tile straddles scale blocks): fp32 activations match the twin on
+    the dequantized weights to summation-order noise."""
+    hidden, q13, q2, weights, ids, scales = fp8_inputs(T, H, inter, E, k, blocks, skew=skew)
+    out = moe.fused_moe(hidden, q13, q2, weights, ids, path=path, scales=scales)
+    d13, d2 = scales.dequantized(q13, q2, torch.float32)
+    ref = moe.fused_moe_reference(hidden, d13, d2, weights, ids)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+@interp
+def test_interp_fused_moe_fp8_bf16_activations():
+    """bf16 activations: each weight tile dequantized to bf16, as the twin's weights are (bound as
+    test_interp_fused_moe_bf16's)."""
+    hidden, q13, q2, weights, ids, scales = fp8_inputs(3, 64, 48, 16, 8, (16, 32), dtype=torch.bfloat16)
+    d13, d2 = scales.dequantized(q13, q2, torch.bfloat16)
+    for path in ("decode", "grouped"):
+        out = moe.fused_moe(hidden, q13, q2, weights, ids, path=path, scales=scales)
+        want = truth(hidden, d13, d2, weights, ids)
+        err, twin = rel_err(out, want), rel_err(moe.fused_moe_reference(hidden, d13, d2, weights, ids), want)
+        print(f"fp8 experts, bf16 {path}: kernel {err:.2e}, twin {twin:.2e}")
+        assert out.dtype == torch.bfloat16 and err < 10 * twin + 1e-3, (path, err, twin)
+
+
+@interp
+def test_fused_moe_refuses_fp8_without_scales():
+    hidden, q13, q2, weights, ids, scales = fp8_inputs(2, 32, 16, 8, 2, None)
+    with pytest.raises(ValueError, match="FP8 experts need"):
+        moe.fused_moe_partials(hidden, q13, q2, weights, ids)
+    bad = moe.ExpertScales(scales.w13[:, :1], scales.w2, 1, 32, 16)
+    with pytest.raises(ValueError, match="w13 scales must be"):
+        moe.fused_moe_partials(hidden, q13, q2, weights, ids, scales=bad)
+    hidden, q13, q2, weights, ids, scales = fp8_inputs(2, 32, 24, 8, 2, (16, 16))
+    with pytest.raises(ValueError, match="whole 16-row blocks"):
+        moe.fused_moe_partials(hidden, q13, q2, weights, ids, scales=scales)
+
+
+@gpu
+@pytest.mark.parametrize("blocks", [None, (128, 128)])
+@pytest.mark.parametrize("T", [1, 4, 64, 2048])
+def test_gpu_fused_moe_fp8_experts(T, blocks):
+    """qwen3-30b-a3b's expert shapes in e4m3 (per channel, and the 128x128 blocks of its FP8
+    checkpoint): fp32 activations tight against the twin on the dequantized weights, bf16 within
+    1.5x of the bf16 twin's error to the fp64 truth, on both paths."""
+    H, inter, E, k = 2048, 768, 128, 8
+    hidden, q13, q2, weights, ids, scales = fp8_inputs(T, H, inter, E, k, blocks, device="cuda")
+    d13, d2 = scales.dequantized(q13, q2, torch.float32)
+    ref = moe.fused_moe_reference(hidden, d13, d2, weights, ids)
+    for path in ("decode", "grouped"):
+        out = moe.fused_moe(hidden, q13, q2, weights, ids, path=path, scales=scales)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    x, b13, b2 = hidden.bfloat16(), *scales.dequantized(q13, q2, torch.bfloat16)
+    want = truth(x, b13, b2, weights, ids)
+    twin = rel_err(moe.fused_moe_reference(x, b13, b2, weights, ids), want)
+    for path in ("decode", "grouped"):
+        err = rel_err(moe.fused_moe(x, q13, q2, weights, ids, path=path, scales=scales), want)
+        print(f"fp8 experts T={T} blocks={blocks} {path}: kernel {err:.2e}, twin {twin:.2e}")
+        assert err < 1.5 * twin + 1e-3, (path, err, twin)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.activation import silu_mul_rounded
+from nanoserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from nanoserve.kernels.launch import INTERPRET, launch_options, pdl_start
 from nanoserve.kernels.linear import sum_planes
 
@@ -69,6 +70,46 @@ def fused_moe_reference(
         y = F.linear(F.silu(gate) * up, w2[e]).float() * topk_weights[token, slot, None].float()
         out.index_add_(0, token, y)
     return out.to(hidden.dtype)
+
+
+@dataclass(frozen=True)
+class ExpertScales:
+    """The scales of FP8 (e4m3) expert weights: w13_scale [E, ceil(2I/bn), ceil(H/bk)] and
+    w2_scale [E, ceil(H/bn), ceil(I/bk)], fp32, one per (bn x bk) block of each expert's
+    weight: (128, 128) for block-scaled checkpoints, (1, K) per output channel (then the
+    last dim is 1). Weight element (n, k) of expert e is w[e, n, k] * scale[e, n // bn, k // bk]."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block_n: int
+    block_k13: int
+    block_k2: int
+
+    def dequantized(self, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both weights times their scales in `dtype` (what the kernels multiply by)."""
+        return (
+            dequantize_experts(w13, self.w13, self.block_n, self.block_k13, dtype),
+            dequantize_experts(w2, self.w2, self.block_n, self.block_k2, dtype),
+        )
+
+
+def quantize_experts(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 experts, fp32 scales [E, ceil(N/bn), ceil(K/bk)]) of experts [E, N, K]: each
+    block's absolute maximum maps to 448 (benchmarks and tests; checkpoints come quantized)."""
+    E, n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(E, nb * bn, kb * bk, device=w.device)
+    padded[:, :n, :k] = w.float()
+    s = (padded.reshape(E, nb, bn, kb, bk).abs().amax(dim=(2, 4)) / FP8_MAX).clamp(min=1e-12)
+    full = s.repeat_interleave(bn, 1).repeat_interleave(bk, 2)[:, :n, :k]
+    return (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s.contiguous()
+
+
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 experts [E, N, K] times their block scales [E, ceil(N/bn), ceil(K/bk)], in `dtype`."""
+    _, n, k = w.shape
+    full = scale.float().repeat_interleave(bn, 1).repeat_interleave(bk, 2)[:, :n, :k]
+    return (w.float() * full).to(dtype)
 
 
 def _check_args(hidden, w13, w2, topk_weights, topk_ids) -> None:
@@ -421,6 +462,14 @@ def _dot(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
+def _dequant_tile(w, s_ptrs, mask, dtype):
+    """An FP8 weight tile times its scales (gathered per element: a tile may straddle scale
+    blocks), rounded to `dtype` as `ExpertScales.dequantized` rounds the whole weight."""
+    scale = tl.load(s_ptrs, mask=mask, other=0.0)
+    return (w.to(tl.float32) * scale).to(dtype)
+
+
+@triton.jit
 def _block_of(pid, num_m, n_blocks, GROUP_M: tl.constexpr):
     """(sorted block, column block) of program pid in a grid of num_m x n_blocks: GROUP_M
     sorted blocks take every column block in turn together, so their rows are read from HBM
@@ -435,13 +484,14 @@ def _block_of(pid, num_m, n_blocks, GROUP_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
 def _grouped_gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr,
-    H, I, num_pairs, num_m, stride_x, stride_we, stride_wn, stride_o,
+    x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, s_ptr,
+    H, I, num_pairs, num_m, stride_x, stride_we, stride_wn, stride_o, stride_se, stride_sn,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, F32: tl.constexpr,
+    GROUP_M: tl.constexpr, F32: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
 ):  # fmt: skip
     """Program (b, n) (`_block_of`): the pairs of sorted block b (one expert's), columns
-    n*BLOCK_N.. of silu(x W_gate^T) * (x W_up^T), into out[pair] ([T*k, I])."""
+    n*BLOCK_N.. of silu(x W_gate^T) * (x W_up^T), into out[pair] ([T*k, I]). SCALED: W is
+    FP8, each tile dequantized (`_dequant_tile`) before the product."""
     b, n = _block_of(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if b * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -456,13 +506,20 @@ def _grouped_gate_up_kernel(
     a_ptrs = x_ptr + token[:, None] * stride_x + ks[None, :]
     g_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
     u_ptrs = g_ptrs + I * stride_wn
+    sg_ptrs = s_ptr + e * stride_se + (cols // SCALE_N)[None, :] * stride_sn
+    su_ptrs = s_ptr + e * stride_se + ((I + cols) // SCALE_N)[None, :] * stride_sn
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = ks < H - k0
+        w_ok = k_ok[:, None] & col_ok[None, :]
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        wu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        wg = tl.load(g_ptrs, mask=w_ok, other=0.0)
+        wu = tl.load(u_ptrs, mask=w_ok, other=0.0)
+        if SCALED:
+            sk = ((k0 + ks) // SCALE_K)[:, None]
+            wg = _dequant_tile(wg, sg_ptrs + sk, w_ok, a.dtype)
+            wu = _dequant_tile(wu, su_ptrs + sk, w_ok, a.dtype)
         gate = _dot(a, wg, gate, F32)
         up = _dot(a, wu, up, F32)
         a_ptrs += BLOCK_K
@@ -477,10 +534,10 @@ def _grouped_gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
 def _grouped_down_kernel(
-    a_ptr, w_ptr, planes_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr,
-    H, I, num_pairs, num_m, stride_a, stride_we, stride_wn, stride_plane,
+    a_ptr, w_ptr, planes_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, s_ptr,
+    H, I, num_pairs, num_m, stride_a, stride_we, stride_wn, stride_plane, stride_se, stride_sn,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, F32: tl.constexpr,
+    GROUP_M: tl.constexpr, F32: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
 ):  # fmt: skip
     """Program (b, n) (`_block_of`): planes[j, t, n*BLOCK_N..] = topk_weight[pair] *
     (act[pair] W_down^T) for the pairs t*k + j of sorted block b (planes [k, T, H], rows H apart)."""
@@ -497,11 +554,15 @@ def _grouped_down_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + pair64[:, None] * stride_a + ks[None, :]
     w_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    s_ptrs = s_ptr + e * stride_se + (cols // SCALE_N)[None, :] * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_ok = ks < I - k0
+        w_ok = k_ok[:, None] & col_ok[None, :]
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+        if SCALED:
+            w = _dequant_tile(w, s_ptrs + ((k0 + ks) // SCALE_K)[:, None], w_ok, a.dtype)
         acc = _dot(a, w, acc, F32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -518,9 +579,9 @@ def _grouped_down_kernel(
 
 @triton.jit
 def _decode_gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, ids_ptr, H, I, stride_x, stride_we, stride_wn, stride_o,
+    x_ptr, w_ptr, out_ptr, ids_ptr, s_ptr, H, I, stride_x, stride_we, stride_wn, stride_o, stride_se, stride_sn,
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
 ):  # fmt: skip
     """Program (p, n): pair p = t*k + j, columns n*BLOCK_N.. of its expert's silu(gate)*up:
     reads only that expert's rows. LOOP_STAGES > 1 pipelines the loop's loads (cp.async,
@@ -536,28 +597,38 @@ def _decode_gate_up_kernel(
     g_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     u_ptrs = g_ptrs + I * stride_wn
     x_ptrs = x_ptr + token * stride_x + ks
+    sg_ptrs = s_ptr + e * stride_se + (cols // SCALE_N)[:, None] * stride_sn
+    su_ptrs = s_ptr + e * stride_se + ((I + cols) // SCALE_N)[:, None] * stride_sn
+    dtype = out_ptr.dtype.element_ty
     gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=LOOP_STAGES):
         k_ok = ks < H - k0
+        w_ok = col_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        wg = tl.load(g_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        wu = tl.load(u_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        wg = tl.load(g_ptrs, mask=w_ok, other=0.0)
+        wu = tl.load(u_ptrs, mask=w_ok, other=0.0)
+        if SCALED:
+            sk = ((k0 + ks) // SCALE_K)[None, :]
+            wg = _dequant_tile(wg, sg_ptrs + sk, w_ok, dtype)
+            wu = _dequant_tile(wu, su_ptrs + sk, w_ok, dtype)
+        wg = wg.to(tl.float32)
+        wu = wu.to(tl.float32)
         gate += tl.sum(wg * x[None, :], axis=1)
         up += tl.sum(wu * x[None, :], axis=1)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    dtype = out_ptr.dtype.element_ty
     y = silu_mul_rounded(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype, False)
     tl.store(out_ptr + p * stride_o + cols, y, mask=col_ok)
 
 
 @triton.jit
 def _decode_down_kernel(
-    a_ptr, w_ptr, planes_ptr, ids_ptr, topk_w_ptr, H, I, k_split, split_k, stride_a, stride_we, stride_wn,
-    stride_plane, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    a_ptr, w_ptr, planes_ptr, ids_ptr, topk_w_ptr, s_ptr, H, I, k_split, split_k, stride_a, stride_we, stride_wn,
+    stride_plane, stride_se, stride_sn, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUND: tl.constexpr, LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr, SCALED: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
 ):  # fmt: skip
     """Program (p, n, s), pair p = t*k + j: columns n*BLOCK_N.. of act[p] W_down^T over the
     depth [s*k_split, (s+1)*k_split) of p's expert, times topk_weight[p], into plane j*split_k + s
@@ -576,11 +647,16 @@ def _decode_down_kernel(
     k_end = tl.minimum(k_start + k_split, I)
     w_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + k_start + ks[None, :]
     a_ptrs = a_ptr + p * stride_a + k_start + ks
+    s_ptrs = s_ptr + e * stride_se + (cols // SCALE_N)[:, None] * stride_sn
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
         k_ok = ks < k_end - k0
+        w_ok = col_ok[:, None] & k_ok[None, :]
         a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+        if SCALED:
+            w = _dequant_tile(w, s_ptrs + ((k0 + ks) // SCALE_K)[None, :], w_ok, a_ptr.dtype.element_ty)
+        w = w.to(tl.float32)
         acc += tl.sum(w * a[None, :], axis=1)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -595,6 +671,30 @@ def _decode_down_kernel(
 # fused_moe
 
 
+def _scale_args(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None) -> tuple:
+    """(w13 scales, w2 scales, SCALE_N, SCALE_K of w13, of w2) for the kernels; without FP8
+    weights, w13 stands in for the unread scale pointers."""
+    fp8 = w13.dtype == FP8_DTYPE
+    if fp8 != (w2.dtype == FP8_DTYPE) or fp8 != (scales is not None):
+        raise ValueError("fused_moe: FP8 experts need both weights in float8_e4m3fn and their scales, and only they")
+    if scales is None:
+        return w13, w13, 1, 1, 1
+    E, two_i, H = w13.shape
+    inter = w2.shape[2]
+    bn, bk13, bk2 = scales.block_n, scales.block_k13, scales.block_k2
+    for name, t, shape in (
+        ("w13", scales.w13, (E, triton.cdiv(two_i, bn), triton.cdiv(H, bk13))),
+        ("w2", scales.w2, (E, triton.cdiv(H, bn), triton.cdiv(inter, bk2))),
+    ):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(
+                f"fused_moe: {name} scales must be contiguous fp32 {shape}, got {tuple(t.shape)} {t.dtype}"
+            )
+    if bn > 1 and inter % bn:
+        raise ValueError(f"fused_moe: block scales need the expert width ({inter}) in whole {bn}-row blocks")
+    return scales.w13, scales.w2, bn, bk13, bk2
+
+
 def fused_moe_partials(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -604,6 +704,7 @@ def fused_moe_partials(
     configs: tuple[MoEConfig, MoEConfig] | None = None,
     path: str | None = None,
     pdl: bool = True,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """The terms of `fused_moe_reference`'s sum, unsummed: fp32 planes [P, T, H] (dense), plane
     j*S + s holding slot j's weighted down product (split s of its depth; S = the down config's
@@ -611,9 +712,12 @@ def fused_moe_partials(
     gives `fused_moe` bit for bit. Two launches (decode path) or the device-side align plus two
     (grouped path), no host synchronisation. `configs` and `path` ("decode" | "grouped")
     override the table and the T*k rule (the tuning script and the tests use them). The
-    decode path launches under PDL where `pdl` and the GPU allow (launch.py)."""
+    decode path launches under PDL where `pdl` and the GPU allow (launch.py). FP8 (e4m3) w13 and
+    w2 need their `scales`: each weight tile is dequantized on the fly and rounded to hidden's
+    dtype, so the result is `fused_moe_reference` on `scales.dequantized(w13, w2, dtype)`."""
     _check_device(hidden, "fused_moe")
     _check_args(hidden, w13, w2, topk_weights, topk_ids)
+    s13, s2, scale_n, sk13, sk2 = _scale_args(w13, w2, scales)
     if hidden.stride(1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
         raise ValueError("fused_moe needs hidden with a dense last dim and contiguous w13, w2")
     T, H = hidden.shape
@@ -634,15 +738,17 @@ def fused_moe_partials(
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     if path == "decode":
         _decode_gate_up_kernel[(pairs, triton.cdiv(inter, cfg13.block_n))](
-            hidden, w13, act, ids, H, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            K=k, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, LOOP_STAGES=cfg13.num_stages,
+            hidden, w13, act, ids, s13, H, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            s13.stride(0), s13.stride(1), K=k, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k,
+            LOOP_STAGES=cfg13.num_stages, SCALED=scales is not None, SCALE_N=scale_n, SCALE_K=sk13,
             num_warps=cfg13.num_warps, num_stages=cfg13.num_stages, **launch_options(hidden.device, pdl),
         )  # fmt: skip
         # Each split covers a whole number of BLOCK_K steps.
         k_split = triton.cdiv(triton.cdiv(inter, split), cfg2.block_k) * cfg2.block_k
         _decode_down_kernel[(pairs, triton.cdiv(H, cfg2.block_n), split)](
-            act, w2, planes, ids, weights, H, inter, k_split, split, act.stride(0), w2.stride(0), w2.stride(1),
-            T * H, K=k, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, ROUND=split == 1, LOOP_STAGES=cfg2.num_stages,
+            act, w2, planes, ids, weights, s2, H, inter, k_split, split, act.stride(0), w2.stride(0), w2.stride(1),
+            T * H, s2.stride(0), s2.stride(1), K=k, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, ROUND=split == 1,
+            LOOP_STAGES=cfg2.num_stages, SCALED=scales is not None, SCALE_N=scale_n, SCALE_K=sk2,
             num_warps=cfg2.num_warps, num_stages=cfg2.num_stages, **launch_options(hidden.device, pdl),
         )  # fmt: skip
         return planes
@@ -651,17 +757,18 @@ def fused_moe_partials(
     al2 = al13 if cfg2.block_m == cfg13.block_m else align(ids, E, cfg2.block_m)
     num_m = al13.block_expert.numel()
     _grouped_gate_up_kernel[(num_m * triton.cdiv(inter, cfg13.block_n),)](
-        hidden, w13, act, al13.sorted_pairs, al13.block_expert, al13.num_padded,
+        hidden, w13, act, al13.sorted_pairs, al13.block_expert, al13.num_padded, s13,
         H, inter, pairs, num_m, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        s13.stride(0), s13.stride(1),
         K=k, BLOCK_M=cfg13.block_m, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, GROUP_M=cfg13.group_m, F32=f32,
-        num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
+        SCALED=scales is not None, SCALE_N=scale_n, SCALE_K=sk13, num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
     )  # fmt: skip
     num_m = al2.block_expert.numel()
     _grouped_down_kernel[(num_m * triton.cdiv(H, cfg2.block_n),)](
-        act, w2, planes, weights, al2.sorted_pairs, al2.block_expert, al2.num_padded,
-        H, inter, pairs, num_m, act.stride(0), w2.stride(0), w2.stride(1), T * H,
+        act, w2, planes, weights, al2.sorted_pairs, al2.block_expert, al2.num_padded, s2,
+        H, inter, pairs, num_m, act.stride(0), w2.stride(0), w2.stride(1), T * H, s2.stride(0), s2.stride(1),
         K=k, BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m, F32=f32,
-        num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+        SCALED=scales is not None, SCALE_N=scale_n, SCALE_K=sk2, num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
     )  # fmt: skip
     return planes
 
@@ -676,11 +783,12 @@ def fused_moe(
     path: str | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = True,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """As `fused_moe_reference` ([T, H] in hidden's dtype, into `out` when given: a TP rank's
     reduce slot), in Triton: `fused_moe_partials`' planes added in plane order in fp32 and
-    rounded once, as the reference rounds its fp32 sum once."""
-    planes = fused_moe_partials(hidden, w13, w2, topk_weights, topk_ids, configs, path, pdl)
+    rounded once, as the reference rounds its fp32 sum once. FP8 experts: as there."""
+    planes = fused_moe_partials(hidden, w13, w2, topk_weights, topk_ids, configs, path, pdl, scales)
     if out is None:
         out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     elif out.shape != hidden.shape or out.stride(1) != 1:

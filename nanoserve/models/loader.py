@@ -29,7 +29,7 @@ from nanoserve.models.gemma3 import Gemma3DecoderLayer, text_checkpoint
 from nanoserve.models.gpt_oss import hf_shapes as gpt_oss_shapes
 from nanoserve.models.layers import ColumnParallelLinear, RowParallelLinear, init_unloaded
 from nanoserve.models.model_config import ModelConfig
-from nanoserve.models.moe import hf_moe_shapes
+from nanoserve.models.moe import StackedExperts, hf_moe_shapes
 from nanoserve.models.qwen3_5 import Qwen35DecoderLayer, prefill_path
 from nanoserve.models.qwen3_5 import hf_shapes as qwen3_5_shapes
 from nanoserve.models.qwen3_5 import text_checkpoint as qwen3_5_text_checkpoint
@@ -262,10 +262,14 @@ def build_model(
         )
     if scheme is not None and load_format == "dummy":
         scheme, online = None, quant.Fp8Scheme("online")  # random weights: quantized at load per channel
-    if cfg.moe is not None and (scheme or online) is not None:
+    if cfg.model_type == "gpt_oss" and (scheme or online) is not None:
         raise quant.UnsupportedQuantization(
-            f"FP8 weights do not cover mixture-of-experts models yet ({cfg.model_type}): its experts would stay "
-            "unquantized; leave out --quantization or use an unquantized checkpoint"
+            "FP8 weights are not supported for gpt-oss (its experts come as MXFP4): leave out --quantization"
+        )
+    if cfg.moe is not None and scheme is not None and scheme.static_activations:
+        raise quant.UnsupportedQuantization(
+            f"static activation scales on mixture-of-experts experts are not supported ({cfg.model_type}): the "
+            "fused MoE kernels quantize no activations; use a checkpoint with dynamic activation scales"
         )
     keep = device.type == "cuda" if keep_fp8 is None else keep_fp8
     fp8 = keep and (scheme or online) is not None
@@ -319,8 +323,19 @@ _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pr
 
 
 def _use_fp8(model: DecoderLM, scheme: quant.Fp8Scheme) -> None:
-    """Turn every linear the scheme quantizes into an FP8 one (before loading)."""
+    """Turn every linear and stacked-experts block the scheme quantizes into an FP8 one (before loading)."""
     for name, module in model.named_modules():
+        if isinstance(module, StackedExperts):
+            hf_name, parts = f"model.{name}", ("gate_proj", "up_proj", "down_proj")
+            if model.config.model_type == "mixtral":
+                hf_name, parts = hf_name.replace(".mlp.", ".block_sparse_moe."), ("w1", "w3", "w2")
+            hf = [f"{hf_name}.{e}.{p}" for e in range(module.num_experts) for p in parts]
+            ignored = [scheme.is_ignored(n) for n in hf]
+            if any(ignored) and not all(ignored):
+                raise quant.UnsupportedQuantization(f"model.{name}: experts of which only some are quantized")
+            if not any(ignored):
+                module.use_fp8(scheme.block is not None)
+            continue
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
         prefix, _, leaf = f"model.{name}".rpartition(".")

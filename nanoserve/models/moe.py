@@ -32,6 +32,7 @@ from torch import nn
 
 from nanoserve.distributed import SINGLE, TPGroup
 from nanoserve.kernels import moe as moe_kernels
+from nanoserve.kernels.fp8 import FP8_BLOCK, FP8_DTYPE
 from nanoserve.models.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -81,21 +82,52 @@ class Router(nn.Module):
 
 
 class StackedExperts(nn.Module):
-    """The routed experts' weights, stacked: w13 [E, 2*I/N, H], w2 [E, H, I/N] (module docstring)."""
+    """The routed experts' weights, stacked: w13 [E, 2*I/N, H], w2 [E, H, I/N] (module docstring).
+    FP8 (`use_fp8`): both in e4m3 with fp32 scales w13_scale / w2_scale in the layout of
+    `kernels.moe.ExpertScales` (128x128 blocks, or one per output channel)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup):
         super().__init__()
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.rank = tp.rank
         self.shard = _shard(intermediate_size, tp, "expert intermediate size")
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard))
         self.w13.weight_loader = self._load_w13
         self.w2.weight_loader = self._load_w2
+        self.scale_block: int | None = None  # FP8: 128 (block scales) or 1 (per channel)
+
+    def use_fp8(self, block: bool) -> None:
+        """Hold the experts in e4m3 with their scales (before loading)."""
+        E, s, H = self.num_experts, self.shard, self.hidden_size
+        if block and s % FP8_BLOCK:
+            raise ValueError(f"block-wise FP8 experts need 128-row shards of the expert width; this one is {s}")
+        self.w13, self.w2 = _frozen(FP8_DTYPE, E, 2 * s, H), _frozen(FP8_DTYPE, E, H, s)
+        self.w13.weight_loader = self._load_w13
+        self.w2.weight_loader = self._load_w2
+        f32 = torch.float32
+        if block:
+            self.w13_scale = _frozen(f32, E, 2 * s // FP8_BLOCK, -(-H // FP8_BLOCK))
+            self.w2_scale = _frozen(f32, E, -(-H // FP8_BLOCK), s // FP8_BLOCK)
+        else:
+            self.w13_scale, self.w2_scale = _frozen(f32, E, 2 * s, 1), _frozen(f32, E, H, 1)
+        self.w13_scale.weight_loader = self._load_w13_scale
+        self.w2_scale.weight_loader = self._load_w2_scale
+        self.scale_block = FP8_BLOCK if block else 1
+
+    @property
+    def scales(self) -> moe_kernels.ExpertScales | None:
+        """The FP8 experts' scales as the kernels take them (None: not FP8)."""
+        b = self.scale_block
+        if b is None:
+            return None
+        k13, k2 = (b, b) if b > 1 else (self.hidden_size, self.shard)
+        return moe_kernels.ExpertScales(self.w13_scale, self.w2_scale, b, k13, k2)
 
     def expected_shards(self, leaf: str) -> list[str]:
         """The shard ids a checkpoint must deliver for parameter `leaf` (the loader checks)."""
-        parts = ("gate", "up") if leaf == "w13" else ("down",)
+        parts = ("gate", "up") if leaf.startswith("w13") else ("down",)
         return [f"{p}:{e}" for e in range(self.num_experts) for p in parts]
 
     def _expert(self, shard_id: str | None, parts: tuple[str, ...]) -> tuple[str, int]:
@@ -115,6 +147,28 @@ class StackedExperts(nn.Module):
         _, e = self._expert(shard_id, ("down",))
         s = self.shard
         _copy(param.data[e], full[:, self.rank * s : (self.rank + 1) * s], shard_id)
+
+    def _load_w13_scale(self, param: nn.Parameter, full: torch.Tensor, shard_id: str | None) -> None:
+        """Block scales [I/128, ceil(H/128)] or per-channel ones [I] of one expert's gate or up."""
+        part, e = self._expert(shard_id, ("gate", "up"))
+        rows = self.shard // self.scale_block
+        full = full.reshape(full.shape[0], -1)  # per channel: [I, 1]
+        dst = param.data[e, :rows] if part == "gate" else param.data[e, rows:]
+        _copy(dst, full[self.rank * rows : (self.rank + 1) * rows], f"{shard_id} scales")
+
+    def _load_w2_scale(self, param: nn.Parameter, full: torch.Tensor, shard_id: str | None) -> None:
+        """Block scales [ceil(H/128), I/128] (this rank's columns) or per-channel ones [H] (all)."""
+        _, e = self._expert(shard_id, ("down",))
+        if self.scale_block == 1:
+            _copy(param.data[e], full.reshape(-1, 1), f"{shard_id} scales")
+            return
+        cols = self.shard // self.scale_block
+        _copy(param.data[e], full[:, self.rank * cols : (self.rank + 1) * cols], f"{shard_id} scales")
+
+
+def _frozen(dtype: torch.dtype, *shape: int) -> nn.Parameter:
+    """An uninitialised parameter that is never trained (FP8 weights and their scales)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str | None) -> None:
@@ -159,15 +213,20 @@ class SparseMoE(_SwitchedLayer):
         switches = self.switches
         logits = linear(x, self.gate.weight, switches=switches)
         w13, w2 = self.experts.w13, self.experts.w2
+        scales = self.experts.scales
         if x.is_cuda and switches.triton_ops:  # the fused Triton kernels: no host sync, graph-safe
             pdl = switches.pdl and self.experts.shard <= MOE_PDL_MAX_INTER
             weights, ids = moe_kernels.route(logits, self.top_k, self.renormalize, pdl=pdl)
             if self.shared_expert is None:
                 if self.tp.size == 1 and switches.split_sum_in_norm:  # the next norm adds the terms
-                    return SplitKPartials(moe_kernels.fused_moe_partials(x, w13, w2, weights, ids, pdl=pdl))
-                return moe_kernels.fused_moe(x, w13, w2, weights, ids, out=self._reduce_slot(x), pdl=pdl)
-            out = moe_kernels.fused_moe(x, w13, w2, weights, ids, pdl=pdl)
+                    planes = moe_kernels.fused_moe_partials(x, w13, w2, weights, ids, pdl=pdl, scales=scales)
+                    return SplitKPartials(planes)
+                out = self._reduce_slot(x)
+                return moe_kernels.fused_moe(x, w13, w2, weights, ids, out=out, pdl=pdl, scales=scales)
+            out = moe_kernels.fused_moe(x, w13, w2, weights, ids, pdl=pdl, scales=scales)
         else:  # slow twins: the loop over chosen experts on CPU, the graph-safe every-expert sum on CUDA
+            if scales is not None:  # FP8 experts (CUDA only): the twins run on the dequantized weights
+                w13, w2 = scales.dequantized(w13, w2, x.dtype)
             weights, ids = moe_kernels.route_reference(logits, self.top_k, self.renormalize)
             out = (_moe_every_expert if x.is_cuda else moe_kernels.fused_moe_reference)(x, w13, w2, weights, ids)
         if self.shared_expert is not None:
@@ -182,6 +241,11 @@ class SparseMoE(_SwitchedLayer):
         return self.tp.partial_out(like.shape[0], like.shape[1], like.dtype, MLP_REDUCE_SLOT)
 
 
+# An expert's checkpoint tensors -> the suffix of the stacked parameter they fill (an FP8 weight's
+# scales, as nanoserve.models.quantization delivers them: block scales or per-channel ones).
+_EXPERT_TENSORS = {"weight": "", "weight_scale_inv": "_scale", "weight_scale": "_scale"}
+
+
 def checkpoint_target(name: str) -> tuple[str, str | None] | None:
     """(our parameter name, shard id) for a MoE checkpoint tensor name (without "model."),
     or None when `name` is not a MoE block's tensor. Qwen: mlp.gate, mlp.experts.{e}.
@@ -192,10 +256,10 @@ def checkpoint_target(name: str) -> tuple[str, str | None] | None:
     if sep:
         expert, _, proj = rest.partition(".")
         part = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-        kind = proj.removesuffix(".weight")
-        if not expert.isdigit() or kind not in part or not proj.endswith(".weight"):
+        kind, _, tensor = proj.partition(".")
+        if not expert.isdigit() or kind not in part or tensor not in _EXPERT_TENSORS:
             raise KeyError(f"unknown expert tensor {name!r}")
-        leaf = "w2" if part[kind] == "down" else "w13"
+        leaf = ("w2" if part[kind] == "down" else "w13") + _EXPERT_TENSORS[tensor]
         return f"{head}.mlp.experts.{leaf}", f"{part[kind]}:{expert}"
     for src, shard in (("mlp.shared_expert.gate_proj", "gate"), ("mlp.shared_expert.up_proj", "up")):
         if src in name:

@@ -38,8 +38,8 @@ SUPPORTED = (
     "per-channel weights); or an unquantized checkpoint, optionally with --quantization fp8"
 )
 
-# The linear layers' checkpoint names; only these may hold FP8 weights.
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The linear layers' checkpoint names (Mixtral's experts: w1, w3, w2); only these may hold FP8 weights.
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
 class UnsupportedQuantization(ValueError):
