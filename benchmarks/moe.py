@@ -2,7 +2,7 @@
 reference and against a dense MLP of the same active FLOPs.
 
     PYTHONUNBUFFERED=1 python benchmarks/moe.py [--models qwen3-30b-a3b mixtral-8x7b mixtral-8x7b-tp2]
-        [--tokens 1 2 4 8 16 64 256 1024 4096] [--tune]
+        [--tokens 1 2 4 8 16 64 256 1024 4096] [--tune] [--fp8]
 
 Shapes: qwen3-30b-a3b (H 2048, I 768, E 128, k 8), mixtral-8x7b (H 4096, I 14336, E 8, k 2)
 and one TP=2 rank of it (I 7168), bf16, random weights and router logits. For each token count
@@ -22,6 +22,9 @@ bound by reading the chosen experts, so fused should reach roughly 3.5-4.3 TB/s 
 qwen3 ~75 MB in ~20 us, mixtral ~700 MB in ~170 us); at T >= 1024 it is a grouped GEMM and
 should reach a large fraction of the dense GEMM's TFLOP/s. These are targets, not results:
 record measured figures in benchmarks/results/ (headline rows in RESULTS.md).
+
+--fp8: the experts in e4m3 with 128x128 block scales (the Qwen3-30B-A3B-FP8 layout), the
+layout's kernels with the bf16 block sizes; TB/s counts one byte per weight.
 
 --tune measures, for each shape and T bucket, the block sizes of both GEMMs on each path that
 T may take (gate_up with the fallback down, then down with gate_up's best; the decode path's
@@ -101,26 +104,38 @@ def eager_us(fn, reps: int = 5) -> float:
 class Layers:
     """`n` MoE layers of one shape, each with its own weights and router logits."""
 
-    def __init__(self, H: int, inter: int, E: int, k: int, T: int, n: int, seed: int = 0):
+    def __init__(self, H: int, inter: int, E: int, k: int, T: int, n: int, seed: int = 0, fp8: bool = False):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.k = k
         self.hidden = torch.randn(T, H, generator=gen, device="cuda").to(DT)
         self.w13 = [(torch.randn(E, 2 * inter, H, generator=gen, device="cuda") / H**0.5).to(DT) for _ in range(n)]
         self.w2 = [(torch.randn(E, H, inter, generator=gen, device="cuda") / inter**0.5).to(DT) for _ in range(n)]
+        self.scales = [None] * n
+        if fp8:  # e4m3 experts with 128x128 block scales (the Qwen3-30B-A3B-FP8 layout)
+            for i in range(n):
+                (self.w13[i], s13), (self.w2[i], s2) = (
+                    moe.quantize_experts(w, 128, 128) for w in (self.w13[i], self.w2[i])
+                )
+                self.scales[i] = moe.ExpertScales(s13, s2, 128, 128, 128)
         self.logits = [torch.randn(T, E, generator=gen, device="cuda") for _ in range(n)]
         self.residual = torch.randn(T, H, generator=gen, device="cuda").to(DT)
         self.norm_weight = torch.ones(H, device="cuda", dtype=DT)
 
     def fused(self, configs=None, path=None):
         pdl = self.w2[0].shape[2] <= MOE_PDL_MAX_INTER  # as the engine's MoE block launches them
-        for w13, w2, logits in zip(self.w13, self.w2, self.logits):
+        for w13, w2, logits, scales in zip(self.w13, self.w2, self.logits, self.scales):
             w, ids = moe.route(logits, self.k, True, pdl=pdl)
-            planes = moe.fused_moe_partials(self.hidden, w13, w2, w, ids, configs=configs, path=path, pdl=pdl)
+            planes = moe.fused_moe_partials(
+                self.hidden, w13, w2, w, ids, configs=configs, path=path, pdl=pdl, scales=scales
+            )
             rms_norm(planes, self.norm_weight, 1e-6, self.residual)  # the next layer's input norm
 
     def reference(self):
         w, ids = moe.route_reference(self.logits[0], self.k, True)
-        moe.fused_moe_reference(self.hidden, self.w13[0], self.w2[0], w, ids)
+        w13, w2 = self.w13[0], self.w2[0]
+        if self.scales[0] is not None:
+            w13, w2 = self.scales[0].dequantized(w13, w2, DT)
+        moe.fused_moe_reference(self.hidden, w13, w2, w, ids)
 
     def distinct_experts(self) -> float:
         return sum(len(torch.unique(moe.route_reference(lg, self.k, True)[1])) for lg in self.logits) / len(self.logits)
@@ -133,20 +148,20 @@ def layers_for(H: int, inter: int, E: int, T: int, k: int, wanted: int) -> int:
     return max(1, min(wanted, -(-4 * l2 // per_layer)))
 
 
-def bench(name: str, T: int, n_layers: int, with_ref: bool) -> None:
+def bench(name: str, T: int, n_layers: int, with_ref: bool, fp8: bool = False) -> None:
     H, inter, E, k = MODELS[name]
     n = layers_for(H, inter, E, T, k, n_layers)
-    layers = Layers(H, inter, E, k, T, n)
+    layers = Layers(H, inter, E, k, T, n, fp8=fp8)
     fused = graph_us(layers.fused) / n
     ref = eager_us(layers.reference) if with_ref else float("nan")
     w13 = (torch.randn(2 * k * inter, H, device="cuda") / H**0.5).to(DT)
     w2 = (torch.randn(H, k * inter, device="cuda") / (k * inter) ** 0.5).to(DT)
     dense = graph_us(lambda: F.linear(silu_and_mul(F.linear(layers.hidden, w13)), w2))
     expected = E * (1 - (1 - k / E) ** T)
-    expert_bytes = 3 * H * inter * 2
+    expert_bytes = 3 * H * inter * (1 if fp8 else 2)
     flops = T * k * 6 * H * inter
     print(
-        f"{name:14s} T={T:<5d} fused {fused:9.1f} us  ref {ref:10.1f} us  dense {dense:9.1f} us | "
+        f"{name + (' fp8' if fp8 else ''):14s} T={T:<5d} fused {fused:9.1f} us  ref {ref:10.1f} us  dense {dense:9.1f} us | "
         f"experts {expected:6.1f} expected ({layers.distinct_experts():6.1f} measured) "
         f"{expected * expert_bytes / fused / 1e6:5.2f} TB/s | {flops / fused / 1e6:6.1f} TFLOP/s "
         f"(dense {flops / dense / 1e6:6.1f}) | ref/fused {ref / fused:6.1f}x",
@@ -284,6 +299,7 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8, 16, 64, 256, 1024, 4096])
     ap.add_argument("--layers", type=int, default=8, help="layers per graph at most (own weights each)")
     ap.add_argument("--no-ref", action="store_true", help="skip the torch reference")
+    ap.add_argument("--fp8", action="store_true", help="e4m3 experts with 128x128 block scales (TB/s on their bytes)")
     ap.add_argument("--tune", action="store_true", help="measure block sizes, print TUNED entries")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="--tune: compile processes")
     args = ap.parse_args()
@@ -298,7 +314,7 @@ def main() -> None:
             if args.tune:
                 tune(name, T, args.layers)
             else:
-                bench(name, T, args.layers, not args.no_ref)
+                bench(name, T, args.layers, not args.no_ref, args.fp8)
     gc.collect()  # a config that did not fit keeps its frames, and a shape's layers, in a cycle
     assert torch.cuda.memory_allocated() < 2**30, "the benchmark left tensors behind"
 
