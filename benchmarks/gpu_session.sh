@@ -75,6 +75,10 @@ for s in ${STAGES:-tests offline latency}; do
     tests_fla) stage tests_fla 540 python -m pytest -m gpu -q -s -rs -p no:cacheprovider tests/test_gpu_fla.py tests/test_gpu_linear_attention.py ;;
     offline_qwen35) stage offline_qwen35 ${T_QWEN35:-400} python benchmarks/offline_throughput.py --model qwen3.5-35b-a3b ;;
     latency_linear) stage latency_linear ${T_LINEAR:-300} python benchmarks/latency.py --models qwen3.5-9b qwen3.5-35b-a3b --repeats 2 ;;
+    tests_fp8_moe) stage tests_fp8_moe ${T_FP8_MOE:-200} python -m pytest -m gpu -q -s -p no:cacheprovider tests/test_moe_kernel.py tests/test_fp8_moe.py -k fp8 ;;
+    moe_fp8)  # the fused MoE layer at batch sizes 1-1024, bf16 experts, then e4m3 ones (128x128 blocks)
+      stage moe_bf16 120 python benchmarks/moe.py --models qwen3-30b-a3b --tokens 1 8 64 1024 --no-ref
+      stage moe_fp8 120 python benchmarks/moe.py --models qwen3-30b-a3b --tokens 1 8 64 1024 --no-ref --fp8 ;;
     tests_spec) stage tests_spec 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_speculative.py tests/test_gpu_eagle3.py ;;
     eagle3) stage eagle3 150 python benchmarks/probes/eagle3_step.py --model llama-3.1-8b --draft-vocab 32000 --k 4 ;;
     profile) stage profile 400 python benchmarks/probes/profile_offline.py ;;
