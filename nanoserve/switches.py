@@ -61,6 +61,9 @@ class KernelSwitches:
     # Sliding-window layers give back the pages that fell out of their window (window groups,
     # nanoserve/kvcache/window.py); off: every layer keeps every position, as full attention.
     window_pages: bool = True
+    # FP8 MoE experts stay e4m3 in the fused MoE kernels on CUDA; off: dequantized to the compute dtype at
+    # load (the linears keep FP8). Off by default until the kernels' GPU tests pass (docs/fp8.md).
+    fp8_experts: bool = False
     # Tensor parallelism: all-reduce row-parallel partial sums in fp32 and round once (off: model dtype).
     tp_reduce_fp32: bool = False
     # Tensor parallelism: fused all-reduce + RMSNorm over symmetric memory in decode graphs; off: NCCL.

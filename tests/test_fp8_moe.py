@@ -3,9 +3,10 @@ gate/up/down in e4m3 with 128x128 block scales), per-channel and compressed-tens
 w1/w3/w2 experts, and `quantization="fp8"` on an unquantized MoE checkpoint.
 
 CPU (fp32): the FP8 checkpoint's greedy tokens equal those of the same weights dequantized and
-saved plain, and transformers' on that plain copy; built with `keep_fp8` (the CUDA layout), the
-stacked experts hold e4m3 weights and scales cut with their TP=2 slices, and the block's forward
-(its slow twin dequantizes) equals the plain block's. Refused by name: static activation scales
+saved plain, and transformers' on that plain copy; built with `keep_fp8` (the CUDA layout) the
+experts are dequantized at load by default, and with NANOSERVE_FP8_EXPERTS the stacked experts
+hold e4m3 weights and scales cut with their TP=2 slices, and the block's forward (its slow twin
+dequantizes) equals the plain block's. Refused by name: static activation scales
 on experts, FP8 for gpt-oss. GPU (`pytest -m gpu tests/test_fp8_moe.py`): the fused kernels on
 e4m3 experts against their twin and transformers, fp32, eager and in CUDA graphs.
 """
@@ -23,11 +24,13 @@ from nanoserve.models.loader import build_model
 from nanoserve.models.moe import SparseMoE
 from nanoserve.models.quantization import UnsupportedQuantization
 from nanoserve.models.registry import resolve_model
+from nanoserve.switches import KernelSwitches
 from tests.test_fp8_loading import GREEDY, HF_FP8, NEW_TOKENS, PROMPTS, greedy, write_fp8
 from tests.test_moe_models import make_moe_model, moe_config
 from tests.tiny import hf_greedy, make_tiny_model
 
 FP8 = torch.float8_e4m3fn
+EXPERTS_FP8 = KernelSwitches(fp8_experts=True)  # NANOSERVE_FP8_EXPERTS=1
 # Every linear and expert in whole 128-row blocks on each of two TP ranks.
 WIDE = {"moe_intermediate_size": 256, "intermediate_size": 256, "head_dim": 128}
 
@@ -70,7 +73,9 @@ def test_fp8_experts_hold_scales_cut_with_their_slices(models, layout, tp_size):
     full_blocks = {n: m for n, m in full.named_modules() if isinstance(m, SparseMoE)}
     for rank in range(tp_size):
         tp = TPGroup(rank=rank, size=tp_size)
-        model = build_model(resolve_model(str(fp8)), "auto", torch.float32, cpu, 0, 64, tp=tp, keep_fp8=True)
+        model = build_model(
+            resolve_model(str(fp8)), "auto", torch.float32, cpu, 0, 64, tp=tp, keep_fp8=True, switches=EXPERTS_FP8
+        )
         blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, SparseMoE)]
         assert len(blocks) == len(full_blocks) == 2
         for name, block in blocks:
@@ -86,6 +91,19 @@ def test_fp8_experts_hold_scales_cut_with_their_slices(models, layout, tp_size):
             if tp_size == 1:
                 x = torch.randn(5, experts.hidden_size)
                 torch.testing.assert_close(block(x), full_blocks[name](x))
+
+
+def test_experts_dequantized_at_load_by_default(models):
+    """keep_fp8 without NANOSERVE_FP8_EXPERTS (CUDA's default today): the linears hold FP8, the
+    experts their dequantized values in the compute dtype."""
+    fp8, plain = _fp8_pair(models, "qwen3_moe", "fp8-block")
+    cpu = torch.device("cpu")
+    full = dict(build_model(resolve_model(str(plain)), "auto", torch.float32, cpu, 0, 64).named_parameters())
+    model = build_model(resolve_model(str(fp8)), "auto", torch.float32, cpu, 0, 64, keep_fp8=True)
+    params = dict(model.named_parameters())
+    assert params["layers.0.self_attn.qkv_proj.weight"].dtype == FP8
+    for name in ("layers.0.mlp.experts.w13", "layers.2.mlp.experts.w2"):
+        assert params[name].dtype == torch.float32 and torch.equal(params[name], full[name])
 
 
 def test_online_fp8_on_moe_equals_per_channel_checkpoint(models):
@@ -128,16 +146,19 @@ def test_dummy_moe_weights_quantized_at_load(tmp_path, arch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["fp8-block", "fp8-channel"])
-def test_gpu_fp8_moe_fused_kernels_equal_twin_and_transformers(models, layout):
-    """fp32 on CUDA with e4m3 experts: the fused kernels (eager and in decode graphs) give the
-    greedy tokens of their twin (triton_ops off: dequantized experts) and of transformers on the
-    dequantized weights."""
+def test_gpu_fp8_moe_fused_kernels_equal_twin_and_transformers(models, layout, monkeypatch):
+    """fp32 on CUDA with e4m3 experts (NANOSERVE_FP8_EXPERTS=1): the fused kernels (in decode
+    graphs and eager) and their twin (NANOSERVE_TRITON_OPS=0: the dequantized experts) give the
+    greedy tokens of transformers on the dequantized weights."""
     fp8, plain = _fp8_pair(models, "qwen3_moe", layout)
     want = hf_greedy(plain, PROMPTS, NEW_TOKENS)
-    for extra in ({}, {"enforce_eager": True}, {"triton_ops": False}):
+    monkeypatch.setenv("NANOSERVE_FP8_EXPERTS", "1")
+    for env, extra in (({}, {}), ({}, {"enforce_eager": True}), ({"NANOSERVE_TRITON_OPS": "0"}, {})):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
         llm = LLM(str(fp8), device="cuda", dtype="float32", **extra)
         block = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE))
         assert block.experts.w13.dtype == FP8
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-        assert got == want, extra
+        assert got == want, (env, extra)
         del llm

@@ -86,7 +86,7 @@ class ExpertScales:
     block_k2: int
 
     def dequantized(self, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both weights times their scales in `dtype` (what the kernels multiply by)."""
+        """Both weights times their scales in `dtype` (in fp32: what the kernels multiply by)."""
         return (
             dequantize_experts(w13, self.w13, self.block_n, self.block_k13, dtype),
             dequantize_experts(w2, self.w2, self.block_n, self.block_k2, dtype),
@@ -462,14 +462,6 @@ def _dot(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
-def _dequant_tile(w, s_ptrs, mask, dtype):
-    """An FP8 weight tile times its scales (gathered per element: a tile may straddle scale
-    blocks), rounded to `dtype` as `ExpertScales.dequantized` rounds the whole weight."""
-    scale = tl.load(s_ptrs, mask=mask, other=0.0)
-    return (w.to(tl.float32) * scale).to(dtype)
-
-
-@triton.jit
 def _block_of(pid, num_m, n_blocks, GROUP_M: tl.constexpr):
     """(sorted block, column block) of program pid in a grid of num_m x n_blocks: GROUP_M
     sorted blocks take every column block in turn together, so their rows are read from HBM
@@ -491,7 +483,8 @@ def _grouped_gate_up_kernel(
 ):  # fmt: skip
     """Program (b, n) (`_block_of`): the pairs of sorted block b (one expert's), columns
     n*BLOCK_N.. of silu(x W_gate^T) * (x W_up^T), into out[pair] ([T*k, I]). SCALED: W is
-    FP8, each tile dequantized (`_dequant_tile`) before the product."""
+    e4m3; each K step (within one scale block) is a product of x with the e4m3 values, scaled
+    per output column as it is added."""
     b, n = _block_of(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if b * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -506,22 +499,25 @@ def _grouped_gate_up_kernel(
     a_ptrs = x_ptr + token[:, None] * stride_x + ks[None, :]
     g_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
     u_ptrs = g_ptrs + I * stride_wn
-    sg_ptrs = s_ptr + e * stride_se + (cols // SCALE_N)[None, :] * stride_sn
-    su_ptrs = s_ptr + e * stride_se + ((I + cols) // SCALE_N)[None, :] * stride_sn
+    sg_ptrs = s_ptr + e * stride_se + (cols // SCALE_N) * stride_sn
+    su_ptrs = s_ptr + e * stride_se + ((I + cols) // SCALE_N) * stride_sn
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = ks < H - k0
-        w_ok = k_ok[:, None] & col_ok[None, :]
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(g_ptrs, mask=w_ok, other=0.0)
-        wu = tl.load(u_ptrs, mask=w_ok, other=0.0)
+        wg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        wu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if SCALED:
-            sk = ((k0 + ks) // SCALE_K)[:, None]
-            wg = _dequant_tile(wg, sg_ptrs + sk, w_ok, a.dtype)
-            wu = _dequant_tile(wu, su_ptrs + sk, w_ok, a.dtype)
-        gate = _dot(a, wg, gate, F32)
-        up = _dot(a, wu, up, F32)
+            zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            kb = k0 // SCALE_K
+            sg = tl.load(sg_ptrs + kb, mask=col_ok, other=0.0)
+            su = tl.load(su_ptrs + kb, mask=col_ok, other=0.0)
+            gate += _dot(a, wg.to(a.dtype), zero, F32) * sg[None, :]
+            up += _dot(a, wu.to(a.dtype), zero, F32) * su[None, :]
+        else:
+            gate = _dot(a, wg, gate, F32)
+            up = _dot(a, wu, up, F32)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -554,16 +550,17 @@ def _grouped_down_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + pair64[:, None] * stride_a + ks[None, :]
     w_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-    s_ptrs = s_ptr + e * stride_se + (cols // SCALE_N)[None, :] * stride_sn
+    s_ptrs = s_ptr + e * stride_se + (cols // SCALE_N) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_ok = ks < I - k0
-        w_ok = k_ok[:, None] & col_ok[None, :]
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=w_ok, other=0.0)
-        if SCALED:
-            w = _dequant_tile(w, s_ptrs + ((k0 + ks) // SCALE_K)[:, None], w_ok, a.dtype)
-        acc = _dot(a, w, acc, F32)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if SCALED:  # as the gate_up kernel
+            scale = tl.load(s_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
+            acc += _dot(a, w.to(a.dtype), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), F32) * scale[None, :]
+        else:
+            acc = _dot(a, w, acc, F32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     dtype = a_ptr.dtype.element_ty
@@ -597,28 +594,26 @@ def _decode_gate_up_kernel(
     g_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     u_ptrs = g_ptrs + I * stride_wn
     x_ptrs = x_ptr + token * stride_x + ks
-    sg_ptrs = s_ptr + e * stride_se + (cols // SCALE_N)[:, None] * stride_sn
-    su_ptrs = s_ptr + e * stride_se + ((I + cols) // SCALE_N)[:, None] * stride_sn
-    dtype = out_ptr.dtype.element_ty
+    sg_ptrs = s_ptr + e * stride_se + (cols // SCALE_N) * stride_sn
+    su_ptrs = s_ptr + e * stride_se + ((I + cols) // SCALE_N) * stride_sn
     gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=LOOP_STAGES):
         k_ok = ks < H - k0
-        w_ok = col_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        wg = tl.load(g_ptrs, mask=w_ok, other=0.0)
-        wu = tl.load(u_ptrs, mask=w_ok, other=0.0)
-        if SCALED:
-            sk = ((k0 + ks) // SCALE_K)[None, :]
-            wg = _dequant_tile(wg, sg_ptrs + sk, w_ok, dtype)
-            wu = _dequant_tile(wu, su_ptrs + sk, w_ok, dtype)
-        wg = wg.to(tl.float32)
-        wu = wu.to(tl.float32)
-        gate += tl.sum(wg * x[None, :], axis=1)
-        up += tl.sum(wu * x[None, :], axis=1)
+        wg = tl.load(g_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        wu = tl.load(u_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if SCALED:  # the K step lies in one scale block: one scale per output row
+            kb = k0 // SCALE_K
+            gate += tl.sum(wg * x[None, :], axis=1) * tl.load(sg_ptrs + kb, mask=col_ok, other=0.0)
+            up += tl.sum(wu * x[None, :], axis=1) * tl.load(su_ptrs + kb, mask=col_ok, other=0.0)
+        else:
+            gate += tl.sum(wg * x[None, :], axis=1)
+            up += tl.sum(wu * x[None, :], axis=1)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
     y = silu_mul_rounded(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype, False)
     tl.store(out_ptr + p * stride_o + cols, y, mask=col_ok)
 
@@ -647,17 +642,16 @@ def _decode_down_kernel(
     k_end = tl.minimum(k_start + k_split, I)
     w_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + k_start + ks[None, :]
     a_ptrs = a_ptr + p * stride_a + k_start + ks
-    s_ptrs = s_ptr + e * stride_se + (cols // SCALE_N)[:, None] * stride_sn
+    s_ptrs = s_ptr + e * stride_se + (cols // SCALE_N) * stride_sn
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
         k_ok = ks < k_end - k0
-        w_ok = col_ok[:, None] & k_ok[None, :]
         a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=w_ok, other=0.0)
-        if SCALED:
-            w = _dequant_tile(w, s_ptrs + ((k0 + ks) // SCALE_K)[None, :], w_ok, a_ptr.dtype.element_ty)
-        w = w.to(tl.float32)
-        acc += tl.sum(w * a[None, :], axis=1)
+        w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if SCALED:  # as the gate_up kernel
+            acc += tl.sum(w * a[None, :], axis=1) * tl.load(s_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
+        else:
+            acc += tl.sum(w * a[None, :], axis=1)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if ROUND:
@@ -669,6 +663,16 @@ def _decode_down_kernel(
 
 # ----------------------------------------------------------------------------------------------
 # fused_moe
+
+
+def _k_step(block_k: int, scale_k: int, depth: int) -> int:
+    """The largest K step up to block_k that no scale block boundary cuts (a per-channel scale,
+    scale_k >= depth, has none)."""
+    if scale_k >= depth:
+        return block_k
+    while scale_k % block_k:
+        block_k //= 2
+    return block_k
 
 
 def _scale_args(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None) -> tuple:
@@ -713,8 +717,11 @@ def fused_moe_partials(
     (grouped path), no host synchronisation. `configs` and `path` ("decode" | "grouped")
     override the table and the T*k rule (the tuning script and the tests use them). The
     decode path launches under PDL where `pdl` and the GPU allow (launch.py). FP8 (e4m3) w13 and
-    w2 need their `scales`: each weight tile is dequantized on the fly and rounded to hidden's
-    dtype, so the result is `fused_moe_reference` on `scales.dequantized(w13, w2, dtype)`."""
+    w2 need their `scales`: each K step (BLOCK_K cut to lie within one scale block) multiplies
+    the activations by the e4m3 values and scales the fp32 partial per output as it adds it, so
+    the weights enter exactly (w * scale, not rounded to hidden's dtype): `fused_moe_reference`
+    on `scales.dequantized(w13, w2, torch.float32)` up to summation order and the products' own
+    rounding to the dtype."""
     _check_device(hidden, "fused_moe")
     _check_args(hidden, w13, w2, topk_weights, topk_ids)
     s13, s2, scale_n, sk13, sk2 = _scale_args(w13, w2, scales)
@@ -729,6 +736,9 @@ def fused_moe_partials(
         raise ValueError(f"fused_moe: path {path!r} is not 'decode' or 'grouped'")
     cfg13, cfg2 = configs or (_for_dtype(c, hidden.dtype) for c in get_configs(H, inter, E, T, k, path))
     path = path or _path_of((cfg13, cfg2))
+    if scales is not None:  # every K step within one scale block
+        cfg13 = replace(cfg13, block_k=_k_step(cfg13.block_k, sk13, H))
+        cfg2 = replace(cfg2, block_k=_k_step(cfg2.block_k, sk2, inter))
     split = cfg2.split_k if path == "decode" else 1
     planes = torch.empty(k * split, T, H, dtype=torch.float32, device=hidden.device)
     if T == 0:

@@ -273,6 +273,9 @@ def build_model(
         )
     keep = device.type == "cuda" if keep_fp8 is None else keep_fp8
     fp8 = keep and (scheme or online) is not None
+    # FP8 MoE experts stay e4m3 only where the fused MoE kernels are to run them (KernelSwitches.fp8_experts),
+    # else they are dequantized at load while the linears keep FP8.
+    keep_experts = keep and (switches or KernelSwitches()).fp8_experts
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -282,7 +285,7 @@ def build_model(
             layer_class = _layer_class(cfg)
             model = DecoderLM(cfg, max_positions=max_positions, tp=tp, switches=switches, layer_class=layer_class)
             if fp8:
-                _use_fp8(model, scheme or online)
+                _use_fp8(model, scheme or online, keep_experts)
         if fp8:
             _materialize(model, device)
             init_unloaded(model)
@@ -303,9 +306,12 @@ def build_model(
     if cfg.linear is not None:
         checkpoint = qwen3_5_text_checkpoint(checkpoint)
     if scheme is not None:
-        checkpoint = quant.fp8_tensors(checkpoint, scheme) if keep else quant.dequantized(checkpoint, scheme, dtype)
+        if keep:
+            checkpoint = quant.fp8_tensors(checkpoint, scheme, None if keep_experts else dtype)
+        else:
+            checkpoint = quant.dequantized(checkpoint, scheme, dtype)
     elif online is not None:
-        checkpoint = quant.quantized_online(checkpoint, device, keep, dtype)
+        checkpoint = quant.quantized_online(checkpoint, device, keep, dtype, keep_experts)
     with torch.no_grad():
         load_weights(model, checkpoint)
     if cfg.linear is not None:
@@ -322,10 +328,13 @@ def _layer_class(cfg: ModelConfig) -> type[DecoderLayer]:
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def _use_fp8(model: DecoderLM, scheme: quant.Fp8Scheme) -> None:
-    """Turn every linear and stacked-experts block the scheme quantizes into an FP8 one (before loading)."""
+def _use_fp8(model: DecoderLM, scheme: quant.Fp8Scheme, experts: bool) -> None:
+    """Turn every linear (and with `experts` every stacked-experts block) the scheme quantizes
+    into an FP8 one (before loading)."""
     for name, module in model.named_modules():
         if isinstance(module, StackedExperts):
+            if not experts:
+                continue
             hf_name, parts = f"model.{name}", ("gate_proj", "up_proj", "down_proj")
             if model.config.model_type == "mixtral":
                 hf_name, parts = hf_name.replace(".mlp.", ".block_sparse_moe."), ("w1", "w3", "w2")

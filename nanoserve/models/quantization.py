@@ -253,13 +253,21 @@ def dequantized(checkpoint: Checkpoint, scheme: Fp8Scheme, dtype: torch.dtype) -
             yield f"{module}.weight", dequantize(tensor, scale, scheme.block is not None, dtype)
 
 
-def fp8_tensors(checkpoint: Checkpoint, scheme: Fp8Scheme) -> Checkpoint:
+def is_expert(module: str) -> bool:
+    """Whether a checkpoint module is a routed MoE expert's projection (mlp.experts.E.*)."""
+    return ".experts." in module
+
+
+def fp8_tensors(checkpoint: Checkpoint, scheme: Fp8Scheme, experts_dtype: torch.dtype | None = None) -> Checkpoint:
     """The checkpoint with FP8 weights kept and scales in the layers' shapes (see the module
     docstring): `weight_scale` fp32 [N], or `weight_scale_inv` fp32 block scales, and a
-    static `input_scale` fp32 [1]."""
+    static `input_scale` fp32 [1]. `experts_dtype`: MoE experts are dequantized to it instead."""
     for module, tensor, scale, input_scale in _paired(checkpoint, scheme):
         if scale is None:
             yield module, tensor
+            continue
+        if experts_dtype is not None and is_expert(module):
+            yield f"{module}.weight", dequantize(tensor, scale, scheme.block is not None, experts_dtype)
             continue
         yield f"{module}.weight", tensor
         if scheme.block is not None:
@@ -270,10 +278,13 @@ def fp8_tensors(checkpoint: Checkpoint, scheme: Fp8Scheme) -> Checkpoint:
             yield f"{module}.input_scale", input_scale.float().reshape(1)
 
 
-def quantized_online(checkpoint: Checkpoint, device: torch.device, keep_fp8: bool, dtype: torch.dtype) -> Checkpoint:
+def quantized_online(
+    checkpoint: Checkpoint, device: torch.device, keep_fp8: bool, dtype: torch.dtype, keep_experts: bool = True
+) -> Checkpoint:
     """Linear weights of an unquantized checkpoint quantized per output channel on `device`,
     one tensor at a time (the full model never sits there in high precision). keep_fp8: FP8
-    weight and `weight_scale` [N]; otherwise the rounded weight dequantized to `dtype`."""
+    weight and `weight_scale` [N]; otherwise (and for MoE experts without keep_experts) the
+    rounded weight dequantized to `dtype`."""
     for name, tensor in checkpoint:
         module, leaf = _split(name)
         if leaf != "weight" or not _is_linear(module):
@@ -282,7 +293,7 @@ def quantized_online(checkpoint: Checkpoint, device: torch.device, keep_fp8: boo
         if tensor.dtype == FP8:
             raise ValueError(f"{name} is already FP8: --quantization fp8 is for unquantized checkpoints")
         q, scale = quantize_per_channel(tensor.to(device))
-        if keep_fp8:
+        if keep_fp8 and (keep_experts or not is_expert(module)):
             yield name, q
             yield f"{module}.weight_scale", scale
         else:
