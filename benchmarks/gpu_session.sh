@@ -76,6 +76,10 @@ for s in ${STAGES:-tests offline latency}; do
     offline_qwen35) stage offline_qwen35 ${T_QWEN35:-400} python benchmarks/offline_throughput.py --model qwen3.5-35b-a3b ;;
     latency_linear) stage latency_linear ${T_LINEAR:-300} python benchmarks/latency.py --models qwen3.5-9b qwen3.5-35b-a3b --repeats 2 ;;
     tests_fp8_moe) stage tests_fp8_moe ${T_FP8_MOE:-200} python -m pytest -m gpu -q -s -p no:cacheprovider tests/test_moe_kernel.py tests/test_fp8_moe.py -k fp8 ;;
+    tests_gpt_oss) stage tests_gpt_oss ${T_GPT_OSS:-200} python -m pytest -m gpu -q -s -p no:cacheprovider tests/test_moe_kernel.py tests/test_gpu_window_pages.py -k "gpt_oss" ;;
+    latency_gpt_oss)  # batch-1 decode of gpt-oss-20b (dummy, bf16 experts), the torch sum over every expert against the fused kernels
+      stage latency_gpt_oss 200 python benchmarks/latency.py --models gpt-oss-20b --repeats 2
+      stage latency_gpt_oss_fused 200 env NANOSERVE_FUSED_GPT_OSS=1 python benchmarks/latency.py --models gpt-oss-20b --repeats 2 ;;
     moe_fp8)  # the fused MoE layer at batch sizes 1-1024, bf16 experts, then e4m3 ones (128x128 blocks)
       stage moe_bf16 120 python benchmarks/moe.py --models qwen3-30b-a3b --tokens 1 8 64 1024 --no-ref
       stage moe_fp8 120 python benchmarks/moe.py --models qwen3-30b-a3b --tokens 1 8 64 1024 --no-ref --fp8 ;;

@@ -68,3 +68,16 @@ def test_fp32_prefix_cache_hits_equal_cpu(model):
         llm.engine.check_invariants()
         runs[device] = [[o.outputs[0].token_ids for o in outs] for outs in passes]
     assert runs["cuda"] == runs["cpu"]
+
+
+def test_fp32_fused_gpt_oss_experts_equal_cpu(model, monkeypatch):
+    """NANOSERVE_FUSED_GPT_OSS=1: gpt-oss's experts through the fused MoE kernels (biases and
+    the clamped SwiGLU; only the chosen experts read), in graphs and eagerly, give the CPU's tokens."""
+    path, prompts, cpu = model
+    if path.name != "gpt-oss":
+        pytest.skip("gpt-oss only")
+    monkeypatch.setenv("NANOSERVE_FUSED_GPT_OSS", "1")
+    for eager in (False, True):
+        llm = LLM(str(path), device="cuda", dtype="float32", enforce_eager=eager, cuda_graph_max_bs=8, **ENGINE)
+        assert llm.engine.config.switches.fused_gpt_oss
+        assert tokens(llm, prompts) == cpu

@@ -10,6 +10,7 @@ error (printed, asserted with a margin), and replay both paths in a CUDA graph b
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -453,4 +454,74 @@ def test_gpu_fused_moe_fp8_experts(T, blocks):
     for path in ("decode", "grouped"):
         err = rel_err(moe.fused_moe(x, q13, q2, weights, ids, path=path, scales=scales), want)
         print(f"fp8 experts T={T} blocks={blocks} {path}: kernel {err:.2e}, twin {twin:.2e}")
+        assert err < 1.5 * twin + 1e-3, (path, err, twin)
+
+
+def gpt_oss_act(E, inter, H, b2=True, seed=3, device="cpu", dtype=torch.float32):
+    """gpt-oss's biases (b2 None: a TP rank other than 0) with its alpha, and a limit small
+    enough that the clamps bite on these inputs."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b13 = torch.randn(E, 2 * inter, generator=gen, device=device).to(dtype)
+    bias2 = torch.randn(E, H, generator=gen, device=device).to(dtype) if b2 else None
+    return moe.ClampedSwiGLU(b13, bias2, alpha=1.702, limit=1.0)
+
+
+def test_clamped_swiglu_reference_is_the_definition():
+    """expert_mlp with gpt-oss's activation against the formula, written out per token."""
+    hidden, w13, w2, weights, ids = make_inputs(3, 8, 4, 2, 1, torch.float64, "cpu")
+    act = gpt_oss_act(2, 4, 8, dtype=torch.float64)
+    got = moe.fused_moe_reference(hidden, w13, w2, weights, ids, act)
+    for t in range(3):
+        e = int(ids[t, 0])
+        z = w13[e] @ hidden[t] + act.b13[e]
+        g, u = z[:4].clamp(max=1.0), z[4:].clamp(-1.0, 1.0)
+        want = weights[t, 0] * (w2[e] @ ((u + 1) * g * torch.sigmoid(1.702 * g)) + act.b2[e])
+        torch.testing.assert_close(got[t], want)
+    every = moe.fused_moe_every_expert(hidden, w13, w2, weights, ids, act)
+    torch.testing.assert_close(every, got)
+
+
+@interp
+@pytest.mark.parametrize("path", ["decode", "grouped"])
+@pytest.mark.parametrize("b2", [True, False])
+@pytest.mark.parametrize(("T", "H", "inter", "E", "k", "skew"), [INTERP_SHAPES[0], INTERP_SHAPES[3]])
+def test_interp_fused_moe_gpt_oss_experts(path, b2, T, H, inter, E, k, skew):
+    """gpt-oss's experts (biases, clamped SwiGLU; without b2 as on a TP rank > 0) in fp32."""
+    args = make_inputs(T, H, inter, E, k, torch.float32, "cpu", skew=skew)
+    act = gpt_oss_act(E, inter, H, b2)
+    out = moe.fused_moe(*args, path=path, act=act)
+    torch.testing.assert_close(out, moe.fused_moe_reference(*args, act), atol=2e-6, rtol=1e-5)
+
+
+@interp
+def test_interp_gpt_oss_down_bias_once_over_depth_splits():
+    """The decode path's down product split over its depth adds b2 in one split only."""
+    args = make_inputs(4, 32, 64, 8, 2, torch.float32, "cpu")
+    act = gpt_oss_act(8, 64, 32)
+    cfgs = (moe.MoEConfig(1, 16, 16, 1, 1), moe.MoEConfig(1, 16, 16, 1, 1, split_k=3))
+    out = moe.fused_moe(*args, configs=cfgs, path="decode", act=act)
+    torch.testing.assert_close(out, moe.fused_moe_reference(*args, act), atol=2e-6, rtol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 8, 256])
+def test_gpu_fused_moe_gpt_oss_shapes(T):
+    """gpt-oss-20b's expert shapes (H = I = 2880, 32 experts, k 4): fp32 tight against the
+    twin, bf16 within 1.5x of the bf16 twin's error to the fp64 truth, both paths."""
+    H, inter, E, k = 2880, 2880, 32, 4
+    args = make_inputs(T, H, inter, E, k, torch.float32, "cuda", seed=T)
+    act = gpt_oss_act(E, inter, H, device="cuda")
+    act = dataclasses.replace(act, limit=7.0)
+    ref = moe.fused_moe_reference(*args, act)
+    for path in ("decode", "grouped"):
+        torch.testing.assert_close(moe.fused_moe(*args, path=path, act=act), ref, atol=2e-5, rtol=1e-4)
+    hidden, w13, w2, weights, ids = args
+    b = [t.bfloat16() for t in (hidden, w13, w2)]
+    act16 = moe.ClampedSwiGLU(act.b13.bfloat16(), act.b2.bfloat16(), act.alpha, act.limit)
+    act64 = moe.ClampedSwiGLU(act.b13.double(), act.b2.double(), act.alpha, act.limit)
+    want = moe.fused_moe_reference(*(t.double() for t in b), weights.double(), ids, act64)
+    twin = rel_err(moe.fused_moe_reference(*b, weights, ids, act16), want)
+    for path in ("decode", "grouped"):
+        err = rel_err(moe.fused_moe(*b, weights, ids, path=path, act=act16), want)
+        print(f"gpt-oss experts T={T} {path}: kernel {err:.2e}, twin {twin:.2e}")
         assert err < 1.5 * twin + 1e-3, (path, err, twin)

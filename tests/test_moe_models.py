@@ -18,10 +18,10 @@ from tiny import VOCAB, hf_greedy, random_prompts
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.distributed import TPGroup
-from nanoserve.kernels.moe import fused_moe_reference, route_reference
+from nanoserve.kernels.moe import fused_moe_every_expert, fused_moe_reference, route_reference
 from nanoserve.models.loader import dummy_checkpoint, hf_parameter_shapes
 from nanoserve.models.model_config import ModelConfig
-from nanoserve.models.moe import SparseMoE, _moe_every_expert
+from nanoserve.models.moe import SparseMoE
 from nanoserve.models.registry import resolve_model
 from nanoserve.switches import KernelSwitches
 
@@ -282,7 +282,7 @@ def test_every_expert_path_equals_reference():
     w13 = torch.randn(5, 12, 16, generator=gen, dtype=torch.float64)
     w2 = torch.randn(5, 16, 6, generator=gen, dtype=torch.float64)
     w, ids = route_reference(torch.randn(9, 5, generator=gen), 2, renormalize=False)
-    assert torch.allclose(_moe_every_expert(x, w13, w2, w, ids), fused_moe_reference(x, w13, w2, w, ids))
+    assert torch.allclose(fused_moe_every_expert(x, w13, w2, w, ids), fused_moe_reference(x, w13, w2, w, ids))
 
 
 # ---- GPU (pytest -m gpu tests/test_moe_models.py) ----------------------------------------

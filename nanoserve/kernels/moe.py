@@ -53,22 +53,76 @@ def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) 
     return weights, ids.to(torch.int32)
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's experts: biases b13 [E, 2I] (gate rows, then up rows, as w13's) and b2 [E, H]
+    (None on a tensor-parallel rank other than 0, whose partial sums must not hold it), and the
+    activation `clamped_swiglu` with its alpha and limit, in place of silu(gate) * up."""
+
+    b13: torch.Tensor
+    b2: torch.Tensor | None
+    alpha: float
+    limit: float
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, e: int, act: ClampedSwiGLU | None) -> torch.Tensor:
+    """Expert e's MLP on rows x, in x's dtype (as Hugging Face's run): silu(gate) * up, or
+    gpt-oss's biased products and clamped SwiGLU."""
+    inter = w2.shape[2]
+    if act is None:
+        gate, up = F.linear(x, w13[e]).split(inter, dim=-1)
+        return F.linear(F.silu(gate) * up, w2[e])
+    gate, up = F.linear(x, w13[e], act.b13[e]).split(inter, dim=-1)
+    return F.linear(clamped_swiglu(gate, up, act.alpha, act.limit), w2[e], None if act.b2 is None else act.b2[e])
+
+
 def fused_moe_reference(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
-    """sum_k w_k * down_e(silu(gate_e x) * up_e x) for hidden [T, H]: a loop over the experts
-    that tokens chose. The expert MLPs run in hidden's dtype (as Hugging Face's do); the
-    weighted sum accumulates in fp32 and is rounded once to hidden's dtype. Reads the routing
-    on the host (torch.unique), so it is the CPU path, never a graph-captured one."""
+    """sum_k w_k * down_e(silu(gate_e x) * up_e x) for hidden [T, H] (with `act`, gpt-oss's
+    experts: `expert_mlp`): a loop over the experts that tokens chose. The expert MLPs run in
+    hidden's dtype (as Hugging Face's do); the weighted sum accumulates in fp32 and is rounded
+    once to hidden's dtype. Reads the routing on the host (torch.unique), so it is the CPU
+    path, never a graph-captured one."""
     _check_args(hidden, w13, w2, topk_weights, topk_ids)
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    inter = w2.shape[2]
     ids = topk_ids.long()
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
-        gate, up = F.linear(hidden[token], w13[e]).split(inter, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e]).float() * topk_weights[token, slot, None].float()
+        y = expert_mlp(hidden[token], w13, w2, e, act).float() * topk_weights[token, slot, None].float()
         out.index_add_(0, token, y)
+    return out.to(hidden.dtype)
+
+
+def fused_moe_every_expert(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act: ClampedSwiGLU | None = None,
+) -> torch.Tensor:
+    """The sum of `fused_moe_reference` without reading the routing on the host: every expert
+    runs on every token and is weighted by the token's routing weight for it (zero if not
+    chosen), summed in fp32 and rounded once. No host synchronisation, so CUDA graphs capture
+    it: the CUDA slow twin of `fused_moe` (`triton_ops` off), at E/k times the routed FLOPs."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    ids = topk_ids.long()
+    for e in range(w13.shape[0]):
+        weight = (topk_weights.float() * (ids == e)).sum(dim=-1, keepdim=True)
+        out += expert_mlp(hidden, w13, w2, e, act).float() * weight
     return out.to(hidden.dtype)
 
 
@@ -462,6 +516,20 @@ def _dot(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
+def _activation(gate, up, dtype: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """An expert's activation of its fp32 gate and up products, each rounded to `dtype` first as
+    the reference's products are: ACT 0 silu(gate) * up (rounded as the reference rounds it);
+    1 gpt-oss's clamped SwiGLU (`clamped_swiglu`), in fp32 and rounded once."""
+    g = gate.to(dtype).to(tl.float32)
+    u = up.to(dtype).to(tl.float32)
+    if ACT == 0:
+        return silu_mul_rounded(g, u, dtype, False)
+    g = tl.minimum(g, LIMIT)
+    u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+    return ((u + 1.0) * (g * tl.sigmoid(ALPHA * g))).to(dtype)
+
+
+@triton.jit
 def _block_of(pid, num_m, n_blocks, GROUP_M: tl.constexpr):
     """(sorted block, column block) of program pid in a grid of num_m x n_blocks: GROUP_M
     sorted blocks take every column block in turn together, so their rows are read from HBM
@@ -476,10 +544,11 @@ def _block_of(pid, num_m, n_blocks, GROUP_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
 def _grouped_gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, s_ptr,
-    H, I, num_pairs, num_m, stride_x, stride_we, stride_wn, stride_o, stride_se, stride_sn,
+    x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, s_ptr, b_ptr,
+    H, I, num_pairs, num_m, stride_x, stride_we, stride_wn, stride_o, stride_se, stride_sn, stride_be,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, F32: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
     """Program (b, n) (`_block_of`): the pairs of sorted block b (one expert's), columns
     n*BLOCK_N.. of silu(x W_gate^T) * (x W_up^T), into out[pair] ([T*k, I]). SCALED: W is
@@ -521,19 +590,21 @@ def _grouped_gate_up_kernel(
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    dtype = out_ptr.dtype.element_ty
-    # Rounded as the reference: gate and up products in the dtype, silu rounded, times up.
-    y = silu_mul_rounded(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype, False)
+    if ACT == 1:  # gpt-oss: the products' biases
+        gate += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(b_ptr + e * stride_be + I + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y = _activation(gate, up, out_ptr.dtype.element_ty, ACT, ALPHA, LIMIT)
     o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_o + cols[None, :]
     tl.store(o_ptrs, y, mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
 def _grouped_down_kernel(
-    a_ptr, w_ptr, planes_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, s_ptr,
-    H, I, num_pairs, num_m, stride_a, stride_we, stride_wn, stride_plane, stride_se, stride_sn,
+    a_ptr, w_ptr, planes_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, s_ptr, b_ptr,
+    H, I, num_pairs, num_m, stride_a, stride_we, stride_wn, stride_plane, stride_se, stride_sn, stride_be,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, F32: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """Program (b, n) (`_block_of`): planes[j, t, n*BLOCK_N..] = topk_weight[pair] *
     (act[pair] W_down^T) for the pairs t*k + j of sorted block b (planes [k, T, H], rows H apart)."""
@@ -564,6 +635,8 @@ def _grouped_down_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     dtype = a_ptr.dtype.element_ty
+    if HAS_BIAS:  # gpt-oss: added before the product is rounded, as cuBLAS's epilogue adds it
+        acc += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     weight = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0)
     y = acc.to(dtype).to(tl.float32) * weight[:, None]  # the down product in the dtype, as the reference
     row = (pair64 % K) * stride_plane + (pair64 // K) * H
@@ -576,9 +649,10 @@ def _grouped_down_kernel(
 
 @triton.jit
 def _decode_gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, ids_ptr, s_ptr, H, I, stride_x, stride_we, stride_wn, stride_o, stride_se, stride_sn,
-    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, ids_ptr, s_ptr, b_ptr, H, I, stride_x, stride_we, stride_wn, stride_o, stride_se,
+    stride_sn, stride_be, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
     """Program (p, n): pair p = t*k + j, columns n*BLOCK_N.. of its expert's silu(gate)*up:
     reads only that expert's rows. LOOP_STAGES > 1 pipelines the loop's loads (cp.async,
@@ -613,17 +687,19 @@ def _decode_gate_up_kernel(
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    dtype = out_ptr.dtype.element_ty
-    y = silu_mul_rounded(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype, False)
+    if ACT == 1:  # gpt-oss: the products' biases
+        gate += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+        up += tl.load(b_ptr + e * stride_be + I + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = _activation(gate, up, out_ptr.dtype.element_ty, ACT, ALPHA, LIMIT)
     tl.store(out_ptr + p * stride_o + cols, y, mask=col_ok)
 
 
 @triton.jit
 def _decode_down_kernel(
-    a_ptr, w_ptr, planes_ptr, ids_ptr, topk_w_ptr, s_ptr, H, I, k_split, split_k, stride_a, stride_we, stride_wn,
-    stride_plane, stride_se, stride_sn, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROUND: tl.constexpr, LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr, SCALED: tl.constexpr,
-    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    a_ptr, w_ptr, planes_ptr, ids_ptr, topk_w_ptr, s_ptr, b_ptr, H, I, k_split, split_k, stride_a, stride_we,
+    stride_wn, stride_plane, stride_se, stride_sn, stride_be, K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROUND: tl.constexpr, LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """Program (p, n, s), pair p = t*k + j: columns n*BLOCK_N.. of act[p] W_down^T over the
     depth [s*k_split, (s+1)*k_split) of p's expert, times topk_weight[p], into plane j*split_k + s
@@ -654,6 +730,9 @@ def _decode_down_kernel(
             acc += tl.sum(w * a[None, :], axis=1)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_BIAS:  # gpt-oss: once, in the first split, before the rounding (cuBLAS's epilogue)
+        bias = tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += tl.where(split == 0, bias, 0.0)
     if ROUND:
         acc = acc.to(a_ptr.dtype.element_ty).to(tl.float32)
     y = acc * tl.load(topk_w_ptr + p)
@@ -663,6 +742,24 @@ def _decode_down_kernel(
 
 # ----------------------------------------------------------------------------------------------
 # fused_moe
+
+
+def _activation_args(w13: torch.Tensor, w2: torch.Tensor, act: ClampedSwiGLU | None) -> tuple:
+    """(b13, b2, the kernels' activation constexprs) for the launches; without biases, w13
+    stands in for the unread bias pointers."""
+    if act is None:
+        return w13, w13, {"gate_up": {"ACT": 0, "ALPHA": 0.0, "LIMIT": 0.0}, "down": {"HAS_BIAS": False}}
+    E, two_i, H = w13.shape
+    if tuple(act.b13.shape) != (E, two_i) or (act.b2 is not None and tuple(act.b2.shape) != (E, H)):
+        raise ValueError(f"fused_moe: biases b13 [E, 2I] = {(E, two_i)} and b2 [E, H] = {(E, H)} expected")
+    if not act.b13.is_contiguous() or (act.b2 is not None and not act.b2.is_contiguous()):
+        raise ValueError("fused_moe: biases must be contiguous")
+    b2 = act.b2 if act.b2 is not None else w13
+    kinds = {
+        "gate_up": {"ACT": 1, "ALPHA": float(act.alpha), "LIMIT": float(act.limit)},
+        "down": {"HAS_BIAS": act.b2 is not None},
+    }
+    return act.b13, b2, kinds
 
 
 def _k_step(block_k: int, scale_k: int, depth: int) -> int:
@@ -709,6 +806,7 @@ def fused_moe_partials(
     path: str | None = None,
     pdl: bool = True,
     scales: ExpertScales | None = None,
+    act: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """The terms of `fused_moe_reference`'s sum, unsummed: fp32 planes [P, T, H] (dense), plane
     j*S + s holding slot j's weighted down product (split s of its depth; S = the down config's
@@ -721,10 +819,12 @@ def fused_moe_partials(
     the activations by the e4m3 values and scales the fp32 partial per output as it adds it, so
     the weights enter exactly (w * scale, not rounded to hidden's dtype): `fused_moe_reference`
     on `scales.dequantized(w13, w2, torch.float32)` up to summation order and the products' own
-    rounding to the dtype."""
+    rounding to the dtype. `act`: gpt-oss's experts (biases added before each product is rounded,
+    the clamped SwiGLU)."""
     _check_device(hidden, "fused_moe")
     _check_args(hidden, w13, w2, topk_weights, topk_ids)
     s13, s2, scale_n, sk13, sk2 = _scale_args(w13, w2, scales)
+    b13, b2, kinds = _activation_args(w13, w2, act)
     if hidden.stride(1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
         raise ValueError("fused_moe needs hidden with a dense last dim and contiguous w13, w2")
     T, H = hidden.shape
@@ -745,21 +845,23 @@ def fused_moe_partials(
         return planes
     ids = topk_ids.to(torch.int32).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
-    act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    out13 = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)  # the activations
     if path == "decode":
         _decode_gate_up_kernel[(pairs, triton.cdiv(inter, cfg13.block_n))](
-            hidden, w13, act, ids, s13, H, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            s13.stride(0), s13.stride(1), K=k, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k,
-            LOOP_STAGES=cfg13.num_stages, SCALED=scales is not None, SCALE_N=scale_n, SCALE_K=sk13,
-            num_warps=cfg13.num_warps, num_stages=cfg13.num_stages, **launch_options(hidden.device, pdl),
+            hidden, w13, out13, ids, s13, b13, H, inter, hidden.stride(0), w13.stride(0), w13.stride(1),
+            out13.stride(0), s13.stride(0), s13.stride(1), b13.stride(0), K=k, BLOCK_N=cfg13.block_n,
+            BLOCK_K=cfg13.block_k, LOOP_STAGES=cfg13.num_stages, SCALED=scales is not None, SCALE_N=scale_n,
+            SCALE_K=sk13, **kinds["gate_up"], num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
+            **launch_options(hidden.device, pdl),
         )  # fmt: skip
         # Each split covers a whole number of BLOCK_K steps.
         k_split = triton.cdiv(triton.cdiv(inter, split), cfg2.block_k) * cfg2.block_k
         _decode_down_kernel[(pairs, triton.cdiv(H, cfg2.block_n), split)](
-            act, w2, planes, ids, weights, s2, H, inter, k_split, split, act.stride(0), w2.stride(0), w2.stride(1),
-            T * H, s2.stride(0), s2.stride(1), K=k, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, ROUND=split == 1,
-            LOOP_STAGES=cfg2.num_stages, SCALED=scales is not None, SCALE_N=scale_n, SCALE_K=sk2,
-            num_warps=cfg2.num_warps, num_stages=cfg2.num_stages, **launch_options(hidden.device, pdl),
+            out13, w2, planes, ids, weights, s2, b2, H, inter, k_split, split, out13.stride(0), w2.stride(0),
+            w2.stride(1), T * H, s2.stride(0), s2.stride(1), b2.stride(0), K=k, BLOCK_N=cfg2.block_n,
+            BLOCK_K=cfg2.block_k, ROUND=split == 1, LOOP_STAGES=cfg2.num_stages, SCALED=scales is not None,
+            SCALE_N=scale_n, SCALE_K=sk2, **kinds["down"], num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+            **launch_options(hidden.device, pdl),
         )  # fmt: skip
         return planes
     f32 = hidden.dtype == torch.float32 or INTERPRET  # see _dot
@@ -767,18 +869,20 @@ def fused_moe_partials(
     al2 = al13 if cfg2.block_m == cfg13.block_m else align(ids, E, cfg2.block_m)
     num_m = al13.block_expert.numel()
     _grouped_gate_up_kernel[(num_m * triton.cdiv(inter, cfg13.block_n),)](
-        hidden, w13, act, al13.sorted_pairs, al13.block_expert, al13.num_padded, s13,
-        H, inter, pairs, num_m, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        s13.stride(0), s13.stride(1),
+        hidden, w13, out13, al13.sorted_pairs, al13.block_expert, al13.num_padded, s13, b13,
+        H, inter, pairs, num_m, hidden.stride(0), w13.stride(0), w13.stride(1), out13.stride(0),
+        s13.stride(0), s13.stride(1), b13.stride(0),
         K=k, BLOCK_M=cfg13.block_m, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k, GROUP_M=cfg13.group_m, F32=f32,
-        SCALED=scales is not None, SCALE_N=scale_n, SCALE_K=sk13, num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
+        SCALED=scales is not None, SCALE_N=scale_n, SCALE_K=sk13, **kinds["gate_up"], num_warps=cfg13.num_warps,
+        num_stages=cfg13.num_stages,
     )  # fmt: skip
     num_m = al2.block_expert.numel()
     _grouped_down_kernel[(num_m * triton.cdiv(H, cfg2.block_n),)](
-        act, w2, planes, weights, al2.sorted_pairs, al2.block_expert, al2.num_padded, s2,
-        H, inter, pairs, num_m, act.stride(0), w2.stride(0), w2.stride(1), T * H, s2.stride(0), s2.stride(1),
-        K=k, BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m, F32=f32,
-        SCALED=scales is not None, SCALE_N=scale_n, SCALE_K=sk2, num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+        out13, w2, planes, weights, al2.sorted_pairs, al2.block_expert, al2.num_padded, s2, b2,
+        H, inter, pairs, num_m, out13.stride(0), w2.stride(0), w2.stride(1), T * H, s2.stride(0), s2.stride(1),
+        b2.stride(0), K=k, BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m,
+        F32=f32, SCALED=scales is not None, SCALE_N=scale_n, SCALE_K=sk2, **kinds["down"], num_warps=cfg2.num_warps,
+        num_stages=cfg2.num_stages,
     )  # fmt: skip
     return planes
 
@@ -794,11 +898,12 @@ def fused_moe(
     out: torch.Tensor | None = None,
     pdl: bool = True,
     scales: ExpertScales | None = None,
+    act: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """As `fused_moe_reference` ([T, H] in hidden's dtype, into `out` when given: a TP rank's
     reduce slot), in Triton: `fused_moe_partials`' planes added in plane order in fp32 and
     rounded once, as the reference rounds its fp32 sum once. FP8 experts: as there."""
-    planes = fused_moe_partials(hidden, w13, w2, topk_weights, topk_ids, configs, path, pdl, scales)
+    planes = fused_moe_partials(hidden, w13, w2, topk_weights, topk_ids, configs, path, pdl, scales, act)
     if out is None:
         out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     elif out.shape != hidden.shape or out.stride(1) != 1:

@@ -21,29 +21,27 @@ Tensor parallelism (rank r of N): every expert's intermediate slice [r*I/N, (r+1
 and up (rows of w13 and b13) and the same columns of w2; the router is replicated. The block
 returns this rank's partial sums; b2 is added by rank 0 only, so the sum holds it once.
 
-The experts run in torch: on CPU a loop over the experts tokens chose, on CUDA a graph-safe
-sum over every expert (each weighted by the token's routing weight, zero if not chosen). A
-fused (MXFP4) Triton kernel is the missing fast path.
+The experts run as the SiLU experts of moe.py do, with the biases and the clamped SwiGLU
+(`kernels.moe.ClampedSwiGLU`): on CPU `fused_moe_reference` (a loop over the experts tokens
+chose), on CUDA the fused MoE kernels, which read only the chosen experts, where
+KernelSwitches.fused_gpt_oss is on (off by default until their GPU tests pass), else the
+graph-safe sum over every expert (each weighted by the token's routing weight, zero if not
+chosen), which reads all of them. MXFP4 experts are dequantized at load: an MXFP4 kernel is the
+missing fast path.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import SINGLE, TPGroup
+from nanoserve.kernels import moe as moe_kernels
 from nanoserve.models.layers import _shard, _SwitchedLayer, linear
 from nanoserve.models.model_config import ModelConfig
 from nanoserve.models.moe import MLP_REDUCE_SLOT
 
 _EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class GptOssExperts(nn.Module):
@@ -106,25 +104,18 @@ class GptOssMoE(_SwitchedLayer):
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         return torch.softmax(top.float(), dim=-1), ids
 
-    def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        ex = self.experts
-        gate, up = F.linear(x, ex.w13[e], ex.b13[e]).split(ex.shard, dim=-1)
-        bias = ex.b2[e] if self.tp.rank == 0 else None
-        return F.linear(clamped_swiglu(gate, up, self.alpha, self.limit), ex.w2[e], bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if x.is_cuda:  # graph-safe: no host read of the routing, every expert on every token
-            for e in range(self.experts.w13.shape[0]):
-                w = (weights * (ids == e)).sum(dim=-1, keepdim=True)
-                out += self._expert(x, e).float() * w
-        else:  # the experts tokens chose, in expert order (as Hugging Face sums them)
-            for e in torch.unique(ids).tolist():
-                token, slot = torch.where(ids == e)
-                out.index_add_(0, token, self._expert(x[token], e).float() * weights[token, slot, None])
-        out = out.to(x.dtype)
-        slot = self.tp.partial_out(out.shape[0], out.shape[1], out.dtype, MLP_REDUCE_SLOT)
+        ex = self.experts
+        act = moe_kernels.ClampedSwiGLU(ex.b13, ex.b2 if self.tp.rank == 0 else None, self.alpha, self.limit)
+        slot = self.tp.partial_out(x.shape[0], x.shape[1], x.dtype, MLP_REDUCE_SLOT)
+        switches = self.switches
+        if x.is_cuda and switches.triton_ops and switches.fused_gpt_oss:  # reads only the chosen experts
+            return moe_kernels.fused_moe(x, ex.w13, ex.w2, weights, ids, out=slot, pdl=switches.pdl, act=act)
+        # graph-safe on CUDA: every expert on every token; on CPU the experts tokens chose, in
+        # expert order (as Hugging Face sums them)
+        twin = moe_kernels.fused_moe_every_expert if x.is_cuda else moe_kernels.fused_moe_reference
+        out = twin(x, ex.w13, ex.w2, weights, ids, act)
         return out if slot is None else slot.copy_(out)
 
 

@@ -27,7 +27,6 @@ on one GPU without a shared expert, the fused kernels' unsummed fp32 terms (Spli
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import SINGLE, TPGroup
@@ -53,23 +52,6 @@ MLP_REDUCE_SLOT = 1  # the symmetric-memory slot a dense MLP's down projection w
 # launch without it. One TP=2 rank of mixtral-8x7b (I = 7168) gains from it: batch-1 TPOT
 # 3.959 ms with it against 4.041 without on one host of two H200s (2026-11-27, 5386314).
 MOE_PDL_MAX_INTER = 8192
-
-
-def _moe_every_expert(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-) -> torch.Tensor:
-    """The sum of `fused_moe_reference` without reading the routing on the host: every expert
-    runs on every token and is weighted by the token's routing weight for it (zero if not
-    chosen), summed in fp32 and rounded once. No host synchronisation, so CUDA graphs capture
-    it: the CUDA slow twin of `fused_moe` (`triton_ops` off), at E/k times the routed FLOPs."""
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    inter = w2.shape[2]
-    ids = topk_ids.long()
-    for e in range(w13.shape[0]):
-        weight = (topk_weights.float() * (ids == e)).sum(dim=-1, keepdim=True)
-        gate, up = F.linear(hidden, w13[e]).split(inter, dim=-1)
-        out += F.linear(F.silu(gate) * up, w2[e]).float() * weight
-    return out.to(hidden.dtype)
 
 
 class Router(nn.Module):
@@ -228,7 +210,8 @@ class SparseMoE(_SwitchedLayer):
             if scales is not None:  # FP8 experts (CUDA only): the twins run on the dequantized weights
                 w13, w2 = scales.dequantized(w13, w2, x.dtype)
             weights, ids = moe_kernels.route_reference(logits, self.top_k, self.renormalize)
-            out = (_moe_every_expert if x.is_cuda else moe_kernels.fused_moe_reference)(x, w13, w2, weights, ids)
+            twin = moe_kernels.fused_moe_every_expert if x.is_cuda else moe_kernels.fused_moe_reference
+            out = twin(x, w13, w2, weights, ids)
         if self.shared_expert is not None:
             gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight, switches=switches))
             out = out + gate * self.shared_expert(x)
