@@ -551,9 +551,9 @@ def _grouped_gate_up_kernel(
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
     """Program (b, n) (`_block_of`): the pairs of sorted block b (one expert's), columns
-    n*BLOCK_N.. of silu(x W_gate^T) * (x W_up^T), into out[pair] ([T*k, I]). SCALED: W is
-    e4m3; each K step (within one scale block) is a product of x with the e4m3 values, scaled
-    per output column as it is added."""
+    n*BLOCK_N.. of silu(x W_gate^T) * (x W_up^T) (ACT 1: gpt-oss's biased products and clamped
+    SwiGLU, `_activation`), into out[pair] ([T*k, I]). SCALED: W is e4m3; each K step (within
+    one scale block) is a product of x with the e4m3 values, scaled per output column as it is added."""
     b, n = _block_of(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if b * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -654,8 +654,8 @@ def _decode_gate_up_kernel(
     USE_PDL: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
-    """Program (p, n): pair p = t*k + j, columns n*BLOCK_N.. of its expert's silu(gate)*up:
-    reads only that expert's rows. LOOP_STAGES > 1 pipelines the loop's loads (cp.async,
+    """Program (p, n): pair p = t*k + j, columns n*BLOCK_N.. of its expert's silu(gate)*up
+    (ACT 1: as the grouped kernel's): reads only that expert's rows. LOOP_STAGES > 1 pipelines the loop's loads (cp.async,
     LOOP_STAGES - 1 steps ahead: Triton pipelines a loop without a dot only when the loop
     names its stages)."""
     pdl_start(USE_PDL)  # which rows to read comes from the route kernel
@@ -744,7 +744,7 @@ def _decode_down_kernel(
 # fused_moe
 
 
-def _activation_args(w13: torch.Tensor, w2: torch.Tensor, act: ClampedSwiGLU | None) -> tuple:
+def _activation_args(w13: torch.Tensor, act: ClampedSwiGLU | None) -> tuple:
     """(b13, b2, the kernels' activation constexprs) for the launches; without biases, w13
     stands in for the unread bias pointers."""
     if act is None:
@@ -824,7 +824,7 @@ def fused_moe_partials(
     _check_device(hidden, "fused_moe")
     _check_args(hidden, w13, w2, topk_weights, topk_ids)
     s13, s2, scale_n, sk13, sk2 = _scale_args(w13, w2, scales)
-    b13, b2, kinds = _activation_args(w13, w2, act)
+    b13, b2, kinds = _activation_args(w13, act)
     if hidden.stride(1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
         raise ValueError("fused_moe needs hidden with a dense last dim and contiguous w13, w2")
     T, H = hidden.shape
