@@ -75,7 +75,7 @@ for s in ${STAGES:-tests offline latency}; do
     tests_fla) stage tests_fla 540 python -m pytest -m gpu -q -s -rs -p no:cacheprovider tests/test_gpu_fla.py tests/test_gpu_linear_attention.py ;;
     offline_qwen35) stage offline_qwen35 ${T_QWEN35:-400} python benchmarks/offline_throughput.py --model qwen3.5-35b-a3b ;;
     latency_linear) stage latency_linear ${T_LINEAR:-300} python benchmarks/latency.py --models qwen3.5-9b qwen3.5-35b-a3b --repeats 2 ;;
-    tests_fp8_moe) stage tests_fp8_moe ${T_FP8_MOE:-200} python -m pytest -m gpu -q -s -p no:cacheprovider tests/test_moe_kernel.py tests/test_fp8_moe.py -k fp8 ;;
+    tests_fp8_moe) stage tests_fp8_moe ${T_FP8_MOE:-300} python -m pytest -m gpu -q -s -p no:cacheprovider tests/test_moe_kernel.py tests/test_fp8_moe.py -k fp8 ;;
     tests_gpt_oss) stage tests_gpt_oss ${T_GPT_OSS:-200} python -m pytest -m gpu -q -s -p no:cacheprovider tests/test_moe_kernel.py tests/test_gpu_window_pages.py -k "gpt_oss" ;;
     latency_gpt_oss)  # batch-1 decode of gpt-oss-20b (dummy, bf16 experts), the torch sum over every expert against the fused kernels
       stage latency_gpt_oss 200 python benchmarks/latency.py --models gpt-oss-20b --repeats 2
@@ -84,6 +84,10 @@ for s in ${STAGES:-tests offline latency}; do
       stage moe_bf16 120 python benchmarks/moe.py --models qwen3-30b-a3b --tokens 1 8 64 1024 --no-ref
       stage moe_fp8 120 python benchmarks/moe.py --models qwen3-30b-a3b --tokens 1 8 64 1024 --no-ref --fp8 ;;
     tests_spec) stage tests_spec 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_speculative.py tests/test_gpu_eagle3.py ;;
+    spec_real) stage spec_real ${T_SPEC:-300} python benchmarks/speculative.py --real --no-gate --phases ;;  # needs the SmolLM2 wheel (../shared/gpu/smollm2_halves.sh)
+    verify_cost)  # a verify step's forward against a decode step's: llama-3.1-8b K=4, SmolLM2-135M at the n-gram K of 12
+      stage verify_cost 200 python benchmarks/speculative.py --verify-cost
+      stage verify_cost_smollm2 120 python benchmarks/speculative.py --verify-cost --verify-model smollm2-135m --verify-k 12 --verify-batches 1 4 ;;
     eagle3) stage eagle3 150 python benchmarks/probes/eagle3_step.py --model llama-3.1-8b --draft-vocab 32000 --k 4 ;;
     profile) stage profile 400 python benchmarks/probes/profile_offline.py ;;
     host) stage host ${T_HOST:-200} python benchmarks/probes/host_overhead.py --model ${HOST_MODEL:-qwen3-0.6b} $HOST_ARGS ;;

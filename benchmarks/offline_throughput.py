@@ -33,6 +33,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.engine.compile_watch import CompileWatch
 from nanoserve.kvcache.pool import KVCache
 from nanoserve.models.decoder import kv_heads_per_rank
+from nanoserve.models.gpt_oss import GptOssMoE
 from nanoserve.models.moe import SparseMoE
 from nanoserve.models.qwen3_5 import prefill_path
 
@@ -97,15 +98,14 @@ def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
 
 def step_weight_bytes(model: torch.nn.Module, batch: int) -> float:
     """Weight bytes a decode step of `batch` sequences must read: every parameter once, except
-    the routed experts of MoE layers, of which only the expected distinct experts
+    the routed experts of MoE layers (gpt-oss's with their biases), of which only the expected distinct experts
     (`expected_experts`); attention, embedding, LM head, routers and shared experts in full.
     For a dense model: weight_bytes(model)."""
     total = float(weight_bytes(model))
     for module in model.modules():
-        if isinstance(module, SparseMoE):
-            w13, w2 = module.experts.w13, module.experts.w2
-            e = w13.shape[0]
-            per_expert = (w13.numel() * w13.element_size() + w2.numel() * w2.element_size()) / e
+        if isinstance(module, (SparseMoE, GptOssMoE)):
+            e = module.experts.w13.shape[0]
+            per_expert = sum(p.numel() * p.element_size() for p in module.experts.parameters()) / e
             total -= per_expert * (e - expected_experts(e, module.top_k, batch))
     return total
 

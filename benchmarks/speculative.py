@@ -8,7 +8,7 @@ Sections (each on by its flag; all by default):
   and with n-gram drafts, the mean acceptance length (tokens per verify step), and how many
   outputs equal the speculation-off output token for token.
   Targets (issue 46): n-gram TPOT >= 2.0x faster on copy-heavy, <= 3% slower on free writing.
-- --verify-cost: llama-3.1-8b (dummy weights): the forward of a plain decode step against a
+- --verify-cost: llama-3.1-8b (dummy weights; --verify-model, --verify-k, --verify-batches): the forward of a plain decode step against a
   verify step of K = 4 drafts (5 positions per request, the decode graph of 5x the rows) at
   batch 1 and 32, context 512, and
   the speedup that follows at acceptance lengths 2, 3 and 4 (acceptance length x decode step /
@@ -139,6 +139,127 @@ def tpot_run(llm: LLM, conversations, params) -> tuple[float, list[list[int]]]:
     return statistics.mean(tpots), outputs
 
 
+class PhaseTimes:
+    """--phases: where a verify step's wall time goes. Wraps the speculator's and runner's
+    calls with host timers (perf_counter, no synchronisation added: the forward's launch is
+    timed apart from the wait for its tokens, `tolist`), and a CUDA event pair around each
+    verify forward for its device time; plain steps are timed whole (engine.step)."""
+
+    def __init__(self, llm: LLM):
+        import nanoserve.engine.speculative.step as step_mod
+
+        self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.device_ms: list[float] = []
+        self._events: list[tuple] = []
+        self._patched: list[tuple[object, str]] = []
+        cuda = llm.engine.device.type == "cuda"
+        engine, spec, runner = llm.engine, llm.engine.speculator, llm.engine.runner
+        self._wrap(spec, "step", "verify step (all)")
+        self._wrap(spec.proposer, "propose", "  drafting")
+        self._wrap(engine.scheduler, "schedule", "  schedule")
+        self._wrap(spec, "_drafts", "  reserve pages, clip")
+        self._wrap(runner, "prepare", "  prepare inputs")
+        self._wrap(spec, "_sample_rows", "  sample rows")
+        self._wrap(spec, "_apply", "  apply tokens")
+        self._wrap(spec.proposer, "verified", "  drafter bookkeeping")
+        self._wrap(engine, "_process", "drain / process a plain step")
+        real_execute, real_dist = runner.execute, step_mod.target_distributions
+        in_verify = {"on": False}
+
+        def execute(inputs, _real=real_execute):
+            if not in_verify["on"] or not cuda:
+                return _real(inputs)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t = time.perf_counter()
+            out = _real(inputs)
+            self._add("  launch forward", time.perf_counter() - t)
+            self._events.append((start, end))
+            self._pending_end = end
+            return out
+
+        def distributions(*a, _real=real_dist, **kw):
+            t = time.perf_counter()
+            greedy, probs = _real(*a, **kw)
+            if cuda:
+                self._pending_end.record()
+            self._add("  launch argmax", time.perf_counter() - t)
+            real_tolist = greedy.tolist
+
+            class Waited:  # times the wait for the tokens (the device's remaining work)
+                def __getattr__(_, name):
+                    return getattr(greedy, name)
+
+                def tolist(_):
+                    t0 = time.perf_counter()
+                    out = real_tolist()
+                    self._add("  wait for tokens (tolist)", time.perf_counter() - t0)
+                    return out
+
+            return Waited(), probs
+
+        real_step = spec.step
+
+        def spec_step(_real=real_step):
+            in_verify["on"] = True
+            try:
+                return _real()
+            finally:
+                in_verify["on"] = False
+
+        runner.execute = execute
+        spec.step = spec_step
+        self._patched += [(runner, "execute"), (spec, "step"), (engine, "step")]
+        self._restore_distributions = lambda: setattr(step_mod, "target_distributions", real_dist)
+        step_mod.target_distributions = distributions
+        real_engine_step = engine.step
+
+        def engine_step(_real=real_engine_step):
+            t = time.perf_counter()
+            before = spec.counters.num_verify_steps
+            out = _real()
+            kind = "plain step (engine.step)" if spec.counters.num_verify_steps == before else "verify (engine.step)"
+            self._add(kind, time.perf_counter() - t)
+            return out
+
+        engine.step = engine_step
+
+    def _wrap(self, obj, name: str, label: str) -> None:
+        real = getattr(obj, name)
+
+        def timed(*a, _real=real, **kw):
+            t = time.perf_counter()
+            try:
+                return _real(*a, **kw)
+            finally:
+                self._add(label, time.perf_counter() - t)
+
+        setattr(obj, name, timed)
+        self._patched.append((obj, name))
+
+    def restore(self) -> None:
+        """Unwrap everything (the instances' own attributes go, their classes' methods show again)."""
+        for obj, name in reversed(self._patched):
+            if name in vars(obj):
+                delattr(obj, name)
+        self._restore_distributions()
+
+    def _add(self, label: str, seconds: float) -> None:
+        self.totals[label] = self.totals.get(label, 0.0) + seconds
+        self.counts[label] = self.counts.get(label, 0) + 1
+
+    def report(self, title: str) -> None:
+        if self._events:
+            torch.cuda.synchronize()
+        device = [a.elapsed_time(b) for a, b in self._events]
+        print(f"phases, {title}: (label: calls, mean ms per call)")
+        for label, total in self.totals.items():
+            print(f"  {label:32s} {self.counts[label]:6d}  {total / self.counts[label] * 1e3:8.3f}")
+        if device:
+            print(f"  {'  verify forward on the device':32s} {len(device):6d}  {statistics.mean(device):8.3f}")
+
+
 def section_real(args) -> None:
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     workloads = {"copy-heavy": copy_heavy_prompts(), "free-writing": free_writing_prompts()}
@@ -146,6 +267,8 @@ def section_real(args) -> None:
     configs = {None: {}, "ngram": {"speculative_algorithm": "ngram"}}
     if args.no_gate:
         configs["ngram, no gate"] = {"speculative_algorithm": "ngram", "speculative_cost_gate": False}
+    if args.prompts:
+        workloads = {name: convs[: args.prompts] for name, convs in workloads.items()}
     for algo, extra in configs.items():
         llm = LLM("smollm2-135m", kv_cache_gib=4, **extra)
         warm = workloads["copy-heavy"][:2] + workloads["free-writing"][:2]
@@ -157,6 +280,11 @@ def section_real(args) -> None:
             with cProfile.Profile() as prof:
                 tpot_run(llm, workloads["copy-heavy"][:8], params)
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        if args.phases and algo == "ngram, no gate":
+            phases = PhaseTimes(llm)
+            tpot_run(llm, workloads["copy-heavy"][:8], params)
+            phases.report("copy-heavy, 8 prompts")
+            phases.restore()
         for name, convs in workloads.items():
             before = dict(llm.stats())
             tpot, outs = tpot_run(llm, convs, params)
@@ -212,11 +340,11 @@ def _step(runner, sched, reqs, drafts: list[list[int]] | None) -> None:
 
 @torch.inference_mode()
 def section_verify_cost(args) -> None:
-    llm = LLM("llama-3.1-8b", load_format="dummy", max_model_len=4096, overlap_schedule=False)
+    llm = LLM(args.verify_model, load_format="dummy", max_model_len=4096, overlap_schedule=False)
     engine = llm.engine
     runner, sched = engine.runner, engine.scheduler
-    k, context = 4, 512
-    for bs in (1, 32):
+    k, context = args.verify_k, 512
+    for bs in args.verify_batches:
         for i in range(bs):
             prompt = [(i * 131 + 7 * j) % 30000 for j in range(context)]
             engine.add_request(f"v{bs}-{i}", prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
@@ -230,7 +358,7 @@ def section_verify_cost(args) -> None:
         t_ver = _time(lambda reqs=reqs, d=drafts, run=runner, s=sched: _step(run, s, reqs, d), 50)
         gains = ", ".join(f"{a}: {a * t_dec / t_ver:.2f}x" for a in (2, 3, 4))
         print(
-            f"verify cost llama-3.1-8b batch {bs:2d}: decode step {t_dec:.3f} ms, K={k} verify step {t_ver:.3f} ms "
+            f"verify cost {args.verify_model} batch {bs:2d}: decode step {t_dec:.3f} ms, K={k} verify step {t_ver:.3f} ms "
             f"= {t_ver / t_dec:.3f}x; speedup at acceptance length {gains}"
         )
         for r in list(sched.running):
@@ -263,10 +391,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--real", action="store_true")
     ap.add_argument("--verify-cost", action="store_true")
+    ap.add_argument("--verify-model", default="llama-3.1-8b", help="--verify-cost: the model (dummy weights)")
+    ap.add_argument("--verify-k", type=int, default=4, help="--verify-cost: drafts per request")
+    ap.add_argument("--verify-batches", type=int, nargs="+", default=[1, 32], help="--verify-cost: batch sizes")
     ap.add_argument("--throughput", action="store_true")
     ap.add_argument("--model-throughput", default="qwen3-0.6b")
     ap.add_argument("--no-gate", action="store_true", help="--real: also time n-gram drafts with the cost gate off")
     ap.add_argument("--profile", action="store_true", help="--real --no-gate: cProfile the host side of 8 prompts")
+    ap.add_argument("--prompts", type=int, default=0, help="--real: only the first N prompts of each workload")
+    ap.add_argument(
+        "--phases", action="store_true", help="--real --no-gate: a verify step's wall time by phase (8 prompts)"
+    )
     args = ap.parse_args()
     every = not (args.real or args.verify_cost or args.throughput)
     if args.real or every:

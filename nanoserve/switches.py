@@ -62,8 +62,8 @@ class KernelSwitches:
     # nanoserve/kvcache/window.py); off: every layer keeps every position, as full attention.
     window_pages: bool = True
     # gpt-oss's experts through the fused MoE kernels on CUDA (only the chosen experts read); off: the
-    # graph-safe torch sum over every expert. Off by default until the kernels' GPU tests pass.
-    fused_gpt_oss: bool = False
+    # graph-safe torch sum over every expert (13x slower at batch 1 on gpt-oss-20b, H200 2026-12-01).
+    fused_gpt_oss: bool = True
     # FP8 MoE experts stay e4m3 in the fused MoE kernels on CUDA; off: dequantized to the compute dtype at
     # load (the linears keep FP8). Off by default until the kernels' GPU tests pass (docs/fp8.md).
     fp8_experts: bool = False
