@@ -35,6 +35,7 @@ gpu = pytest.mark.gpu
 # qwen3-0.6b and llama-3.1-8b: (N, K) of qkv, o, gate_up, down and the LM head
 QWEN3_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -213,18 +214,40 @@ def test_gemv_rule_pipelines_only_loops_of_several_steps():
 def test_linear_rule_above_eight_rows():
     """M = 9..256: split-K only on the narrow matrices it was measured faster on (qwen3 o_proj,
     down), the dot kernel on qwen3's LM head up to 32 rows, cuBLAS for the rest and for every
-    llama-3.1-8b shape (not measured there); every split config divides K into whole blocks."""
+    llama-3.1-8b shape above 16 rows (not measured there); every split config divides K into
+    whole blocks."""
     from nanoserve.kernels.linear import MAX_M, linear_config
 
     qkv, o_proj, gate_up, down, lm_head = QWEN3_SHAPES
+    for M in range(17, MAX_M + 1):
+        for n, k in LLAMA_SHAPES + SMOLLM2_SHAPES + [qkv, gate_up]:
+            assert linear_config(M, n, k, torch.bfloat16) is None, (M, n, k)
     for M in range(9, MAX_M + 1):
-        for n, k in LLAMA_SHAPES + [qkv, gate_up]:
+        for n, k in [qkv, gate_up]:
             assert linear_config(M, n, k, torch.bfloat16) is None, (M, n, k)
         for n, k in (o_proj, down):
             c = linear_config(M, n, k, torch.float16)
             assert c is not None and c.kernel == "dot" and c.split_k > 1 and k % (c.split_k * c.block_k) == 0
         c = linear_config(M, *lm_head, torch.bfloat16)
         assert (c is not None and c.split_k == 1 and c.block_m >= 16) == (M <= 32)
+
+
+def test_linear_rule_five_to_sixteen_rows():
+    """M = 5..16 (verify steps' rows): split-K 16-row tiles on llama-3.1-8b's qkv, o_proj and
+    down and on SmolLM2's narrow matrices, the unsplit tile on SmolLM2's gate_up, cuBLAS on
+    llama's gate_up and both LM heads below 65536 columns' rule; splits divide K into whole
+    blocks (K = 576: three of 192)."""
+    from nanoserve.kernels.linear import linear_config
+
+    for M in range(5, 17):
+        for n, k in LLAMA_SHAPES[:2] + LLAMA_SHAPES[3:4] + SMOLLM2_SHAPES[:4]:
+            c = linear_config(M, n, k, torch.bfloat16)
+            assert c is not None and c.kernel == "dot" and c.block_m == 16, (M, n, k, c)
+            assert k % (c.split_k * c.block_k) == 0 and (c.split_k > 1) == (n <= 1024 or k >= 4096), (M, n, k, c)
+        assert linear_config(M, *LLAMA_SHAPES[2], torch.bfloat16) is None
+        assert linear_config(M, *SMOLLM2_SHAPES[4], torch.bfloat16) is None
+    assert linear_config(16, 576, 576, torch.bfloat16).split_k == 3
+    assert linear_config(4, 576, 576, torch.bfloat16).kernel == "fma"  # M <= 4: the 2-row tiles stay
 
 
 def split_k_case(M, N, K, dtype, seed, bias: bool):
@@ -381,7 +404,7 @@ def rule_configs():
     from nanoserve.kernels.linear import MAX_M, linear_config
 
     seen = {}
-    for n, k in QWEN3_SHAPES + LLAMA_SHAPES:
+    for n, k in QWEN3_SHAPES + LLAMA_SHAPES + SMOLLM2_SHAPES:
         for m in range(1, MAX_M + 1):
             c = linear_config(m, n, k, torch.bfloat16)
             if c is not None:
@@ -395,7 +418,7 @@ def rule_configs():
 def test_gpu_rule_on_model_shapes(M, dtype):
     from nanoserve.kernels.linear import linear_config
 
-    for i, (n, k) in enumerate(QWEN3_SHAPES + LLAMA_SHAPES):
+    for i, (n, k) in enumerate(QWEN3_SHAPES + LLAMA_SHAPES + SMOLLM2_SHAPES):
         config = linear_config(M, n, k, dtype)
         if config is not None:
             check_linear(M, n, k, dtype, "cuda", config, bias=(i % 2 == 0), tol=1e-2, seed=10 * M + i)

@@ -18,6 +18,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.speculative.acceptance import accept_greedy, accept_sampled
 from nanoserve.engine.speculative.ngram import NgramIndex, SuffixStore
+from nanoserve.engine.speculative.step import PROBE_EVERY
 from tests.tiny import first_layer_draft, make_tiny_model
 
 
@@ -150,8 +151,12 @@ def test_cost_gate_pauses_speculation_that_does_not_pay(models):
     spec.verify_tokens.extend([1, 1, 1, 1])  # a mean of 2.5: 2.5 x 0.5 < 1.5
     spec.num_steps = spec._last_probe + 1
     assert not spec._worth_it()
-    spec.num_steps += 64  # but it probes now and then
+    spec.num_steps += PROBE_EVERY  # but it probes now and then
     assert spec._worth_it() and not spec._worth_it()
+    spec._after_probe(1.5, 2.0)  # a probe that does not pay (2 x 0.5 < 1.5) leaves it shut
+    assert not spec._worth_it()
+    spec._after_probe(1.5, 4.0)  # one that pays reopens it at once
+    assert list(spec.verify_tokens) == [4.0] and spec._worth_it()
 
 
 @pytest.fixture(scope="module")

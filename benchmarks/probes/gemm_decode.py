@@ -1,6 +1,6 @@
 """Decode-GEMM benchmark (run on a GPU machine): cuBLAS vs cuBLASLt vs the engine's Triton kernels.
 
-    PYTHONUNBUFFERED=1 python benchmarks/probes/gemm_decode.py [--model qwen3|llama] [--ms 16 32 ...]
+    PYTHONUNBUFFERED=1 python benchmarks/probes/gemm_decode.py [--model qwen3|smollm2|llama] [--ms 16 32 ...]
         [--shapes qkv lm_head] [--full] [--no-sweep] [--jobs 16]
     TRITON_INTERPRET=1 python benchmarks/probes/gemm_decode.py --smoke     # CPU check of the kernels
 
@@ -61,6 +61,8 @@ DT = torch.bfloat16
 MODELS: dict[str, tuple[int, list[tuple[str, int, int]]]] = {
     "qwen3": (28, [("qkv", 4096, 1024), ("o_proj", 1024, 2048), ("gate_up", 6144, 1024),
                    ("down", 1024, 3072), ("lm_head", 151936, 1024)]),
+    "smollm2": (30, [("qkv", 960, 576), ("o_proj", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
+                     ("lm_head", 49152, 576)]),
     "llama": (32, [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
                    ("down", 4096, 14336), ("lm_head", 128256, 4096)]),
 }  # fmt: skip

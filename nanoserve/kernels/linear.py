@@ -793,7 +793,8 @@ def _choose(M: int, N: int, K: int, dtype: torch.dtype) -> LinearConfig | None:
     if dtype not in _FAST_DTYPES or not 1 <= M <= MAX_M or K % 8:  # K % 8: 16-byte rows
         return None
     if M <= 8:
-        return _choose_few_rows(M, N, K)
+        config = _choose_few_rows(M, N, K)
+        return config if config is not None or M < 5 else _choose_up_to_16_rows(N, K)
     if N >= 65536 and K <= 1024 and M <= 32:
         return LinearConfig("dot", 16 if M <= 16 else 32, 128, 128, num_warps=4, num_stages=3)
     config = None
@@ -810,9 +811,33 @@ def _choose(M: int, N: int, K: int, dtype: torch.dtype) -> LinearConfig | None:
             config = LinearConfig("dot", 64, 32, 128, num_warps=4, num_stages=4, split_k=2)
         else:
             config = LinearConfig("dot", 64, 64, 128, num_warps=4, num_stages=4, split_k=2)
+    if config is None and M <= 16:
+        config = _choose_up_to_16_rows(N, K)
     if config is None or K % (config.split_k * config.block_k):
         return None
     return config
+
+
+# M = 5..16 where the rules above leave cuBLAS (speculative verify steps: 1 + K drafts rows per
+# request, padded to the decode graphs' 8 or 16), from `python benchmarks/probes/gemm_decode.py
+# --model smollm2 --ms 8 16` and `--model llama --ms 8` on an H200 (benchmarks/results/2026-12-01.md):
+# - llama-3.1-8b at M = 8: split-K 16 x 128 tiles beat cuBLAS on qkv (split 2: 15.2 against
+#   16.1 us), o_proj (split 4: 11.2 against 13.5) and down (split 4: 31.0 against 32.9); gate_up
+#   (N = 7K) stays with cuBLAS (57.4 against 60.9). Taken for K >= 4096 and N <= 2K (at most 8192).
+#   The tile pads M to 16 rows, so its work is the same at M = 9..16 (timed at 8 only).
+# - small matrices (N*K <= 2M elements, K < 2048: SmolLM2-135M's layers, where cuBLAS spends
+#   3.4-5.2 us a call): 16 x 32 tiles 64 deep, split along K where N <= 1024 (qkv 3.3 against
+#   3.8 us, o_proj 3.0 against 3.5, down 3.8 against 5.1; the sweep's split 4 of K = 576 runs
+#   three 192-deep splits, as split 3 does), unsplit otherwise (gate_up 3.9 against 4.2).
+def _choose_up_to_16_rows(N: int, K: int) -> LinearConfig | None:
+    if K >= 4096 and N <= min(2 * K, 8192):
+        return LinearConfig("dot", 16, 128, 128, num_warps=4, num_stages=4, split_k=2 if N > K else 4)
+    if N * K <= 2**21 and K < 2048:
+        if N > 1024:
+            return LinearConfig("dot", 16, 32, 64, num_warps=4, num_stages=4)
+        split = next((s for s in (4, 3, 2) if K % (s * 64) == 0), 1)
+        return LinearConfig("dot", 16, 32, 64, num_warps=4, num_stages=4, split_k=split)
+    return None
 
 
 def _choose_few_rows(M: int, N: int, K: int) -> LinearConfig | None:

@@ -772,20 +772,6 @@ def _k_step(block_k: int, scale_k: int, depth: int) -> int:
     return block_k
 
 
-FP8_DECODE_MAX_STAGES = 8
-
-
-def _fp8_config(config: MoEConfig, block_k: int, dtype: torch.dtype, decode: bool) -> MoEConfig:
-    """A table config (measured on 16-bit experts) for e4m3 ones with K steps of `block_k`:
-    on the decode path, whose K loop streams weights, as many bytes stay in flight as the
-    16-bit config had (its stages times its step's bytes), up to FP8_DECODE_MAX_STAGES stages."""
-    if not decode or INTERPRET:
-        return replace(config, block_k=block_k)
-    ratio = config.block_k * dtype.itemsize // block_k  # the 16-bit step's bytes over an e4m3 step's
-    stages = min(FP8_DECODE_MAX_STAGES, max(config.num_stages, config.num_stages * ratio))
-    return replace(config, block_k=block_k, num_stages=stages)
-
-
 def _scale_args(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None) -> tuple:
     """(w13 scales, w2 scales, SCALE_N, SCALE_K of w13, of w2) for the kernels; without FP8
     weights, w13 stands in for the unread scale pointers."""
@@ -851,8 +837,8 @@ def fused_moe_partials(
     cfg13, cfg2 = configs or (_for_dtype(c, hidden.dtype) for c in get_configs(H, inter, E, T, k, path))
     path = path or _path_of((cfg13, cfg2))
     if scales is not None:  # every K step within one scale block
-        cfg13 = _fp8_config(cfg13, _k_step(cfg13.block_k, sk13, H), hidden.dtype, path == "decode")
-        cfg2 = _fp8_config(cfg2, _k_step(cfg2.block_k, sk2, inter), hidden.dtype, path == "decode")
+        cfg13 = replace(cfg13, block_k=_k_step(cfg13.block_k, sk13, H))
+        cfg2 = replace(cfg2, block_k=_k_step(cfg2.block_k, sk2, inter))
     split = cfg2.split_k if path == "decode" else 1
     planes = torch.empty(k * split, T, H, dtype=torch.float32, device=hidden.device)
     if T == 0:
