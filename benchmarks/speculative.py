@@ -265,22 +265,22 @@ def section_real(args) -> None:
     workloads = {"copy-heavy": copy_heavy_prompts(), "free-writing": free_writing_prompts()}
     results = {}
     configs = {None: {}, "ngram": {"speculative_algorithm": "ngram"}}
-    if args.no_gate:
-        configs["ngram, no gate"] = {"speculative_algorithm": "ngram", "speculative_cost_gate": False}
+    if args.gate:
+        configs["ngram, cost gate"] = {"speculative_algorithm": "ngram", "speculative_cost_gate": True}
     if args.prompts:
         workloads = {name: convs[: args.prompts] for name, convs in workloads.items()}
     for algo, extra in configs.items():
         llm = LLM("smollm2-135m", kv_cache_gib=4, **extra)
         warm = workloads["copy-heavy"][:2] + workloads["free-writing"][:2]
         tpot_run(llm, warm, params)  # compile and capture before timing
-        if args.profile and algo == "ngram, no gate":
+        if args.profile and algo == "ngram":
             import cProfile
             import pstats
 
             with cProfile.Profile() as prof:
                 tpot_run(llm, workloads["copy-heavy"][:8], params)
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-        if args.phases and algo == "ngram, no gate":
+        if args.phases and algo == "ngram":
             phases = PhaseTimes(llm)
             tpot_run(llm, workloads["copy-heavy"][:8], params)
             phases.report("copy-heavy, 8 prompts")
@@ -396,12 +396,10 @@ def main() -> None:
     ap.add_argument("--verify-batches", type=int, nargs="+", default=[1, 32], help="--verify-cost: batch sizes")
     ap.add_argument("--throughput", action="store_true")
     ap.add_argument("--model-throughput", default="qwen3-0.6b")
-    ap.add_argument("--no-gate", action="store_true", help="--real: also time n-gram drafts with the cost gate off")
-    ap.add_argument("--profile", action="store_true", help="--real --no-gate: cProfile the host side of 8 prompts")
+    ap.add_argument("--gate", action="store_true", help="--real: also time n-gram drafts with the cost gate on")
+    ap.add_argument("--profile", action="store_true", help="--real: cProfile the host side of 8 prompts")
     ap.add_argument("--prompts", type=int, default=0, help="--real: only the first N prompts of each workload")
-    ap.add_argument(
-        "--phases", action="store_true", help="--real --no-gate: a verify step's wall time by phase (8 prompts)"
-    )
+    ap.add_argument("--phases", action="store_true", help="--real: a verify step's wall time by phase (8 prompts)")
     args = ap.parse_args()
     every = not (args.real or args.verify_cost or args.throughput)
     if args.real or every:

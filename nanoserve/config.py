@@ -74,7 +74,7 @@ class SpeculativeConfig:
     ngram_max_match: int = 4  # longest; the longest that matches wins
     ngram_store_tokens: int = 1 << 20  # other requests' outputs kept for look-ups (0: off)
     disable_batch_size: int = DEFAULT_DISABLE_BATCH_SIZE
-    cost_gate: bool = True  # see nanoserve.engine.speculative.step: pause while verifying costs more than it yields
+    cost_gate: bool = False  # see nanoserve.engine.speculative.step: pause while verifying costs more than it yields
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -156,7 +156,7 @@ class EngineConfig:
     speculative_ngram_min_match: int = 1
     speculative_ngram_max_match: int = 4
     speculative_disable_batch_size: int = DEFAULT_DISABLE_BATCH_SIZE
-    speculative_cost_gate: bool = True  # pause speculation while a verify step costs more than it yields
+    speculative_cost_gate: bool = False  # pause speculation while a verify step costs more than it yields (opt-in)
     # The fast paths' switches (nanoserve/switches.py), read from NANOSERVE_* variables once
     # when the config is built; tests and benchmarks may pass their own.
     switches: KernelSwitches = field(default_factory=KernelSwitches.from_env)
@@ -375,9 +375,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="no speculation in steps with more running requests than this",
     )
     s.add_argument(
-        "--no-speculative-cost-gate",
-        action="store_true",
-        help="speculate whenever a draft exists, even while verify steps cost more than they yield",
+        "--speculative-cost-gate",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="pause speculation while verify steps cost more than they yield (off by default: measured slower)",
     )
 
 
@@ -418,6 +419,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_ngram_min_match=getattr(args, "speculative_ngram_min_match", 1),
         speculative_ngram_max_match=getattr(args, "speculative_ngram_max_match", 4),
         speculative_disable_batch_size=getattr(args, "speculative_disable_batch_size", DEFAULT_DISABLE_BATCH_SIZE),
-        speculative_cost_gate=not getattr(args, "no_speculative_cost_gate", False),
+        speculative_cost_gate=getattr(args, "speculative_cost_gate", False),
         task=getattr(args, "task", "generate"),
     )

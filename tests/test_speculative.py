@@ -142,6 +142,10 @@ def test_bad_settings_are_refused_at_start(models, tmp_path):
 
 def test_cost_gate_pauses_speculation_that_does_not_pay(models):
     llm = LLM(str(models["target"]), device="cpu", dtype="float32", speculative_algorithm="ngram")
+    assert not llm.engine.speculator.spec.cost_gate  # opt-in: measured slower than without it
+    llm = LLM(
+        str(models["target"]), device="cpu", dtype="float32", speculative_algorithm="ngram", speculative_cost_gate=True
+    )
     spec = llm.engine.speculator
     assert spec._worth_it()  # nothing measured yet
     spec.plain_steps.extend([0.5, 0.5, 50.0])  # ms; a compiling step does not move the median

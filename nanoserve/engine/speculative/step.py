@@ -26,10 +26,10 @@ Invariants:
 Back-off: a request whose drafts are all rejected, or that finds none, skips speculation for
 1, 2, 4, ... steps (up to MAX_BACKOFF_STEPS); an accepted draft resets it. A step with more
 running requests than `disable_batch_size`, or with prompts waiting, does not speculate. And
-the cost gate: speculation stops (but for a probe every PROBE_EVERY steps, which reopens it
-when it pays) while the tokens a verify step yields per request, times a plain decode step's
-wall time, fall short of a verify step's wall time, so that turning it on never costs much where
-verifying is dear.
+the cost gate (opt-in, `SpeculativeConfig.cost_gate`; measured slower than without it, see
+docs/speculative.md): speculation stops (but for a probe every PROBE_EVERY steps, which reopens
+it when it pays) while the tokens a verify step yields per request, times a plain decode step's
+wall time, fall short of a verify step's wall time.
 """
 
 from __future__ import annotations
