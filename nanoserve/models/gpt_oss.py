@@ -24,7 +24,7 @@ returns this rank's partial sums; b2 is added by rank 0 only, so the sum holds i
 The experts run as the SiLU experts of moe.py do, with the biases and the clamped SwiGLU
 (`kernels.moe.ClampedSwiGLU`): on CPU `fused_moe_reference` (a loop over the experts tokens
 chose), on CUDA the fused MoE kernels, which read only the chosen experts, where
-KernelSwitches.fused_gpt_oss is on (off by default until their GPU tests pass), else the
+KernelSwitches.fused_gpt_oss is on (the default; 13x faster at batch 1 on gpt-oss-20b), else the
 graph-safe sum over every expert (each weighted by the token's routing weight, zero if not
 chosen), which reads all of them. MXFP4 experts are dequantized at load: an MXFP4 kernel is the
 missing fast path.
