@@ -18,10 +18,14 @@ run: setup
 	$(PYTHON) -m nanoserve.cli generate
 	$(PYTHON) -m nanoserve.cli serve --show-examples
 
+# Two worker processes, each test file on one of them (its module fixtures built once): on the
+# 2-core CI machine the suite took 16.9 min against 26.5 in one process (2026-12-01).
+TEST_WORKERS ?= 2
+
 test: setup
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu

@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, run from anywhere
 import json
 import random
 import statistics
