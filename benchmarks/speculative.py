@@ -150,8 +150,9 @@ class PhaseTimes:
 
         self.totals: dict[str, float] = {}
         self.counts: dict[str, int] = {}
-        self.device_ms: list[float] = []
-        self._events: list[tuple] = []
+        self._events: list[tuple] = []  # (start, end) CUDA events of each verify forward
+        self._pending_end = None  # the end event of the verify forward in flight
+        self._in_verify = False
         self._patched: list[tuple[object, str]] = []
         cuda = llm.engine.device.type == "cuda"
         engine, spec, runner = llm.engine, llm.engine.speculator, llm.engine.runner
@@ -165,10 +166,9 @@ class PhaseTimes:
         self._wrap(spec.proposer, "verified", "  drafter bookkeeping")
         self._wrap(engine, "_process", "drain / process a plain step")
         real_execute, real_dist = runner.execute, step_mod.target_distributions
-        in_verify = {"on": False}
 
         def execute(inputs, _real=real_execute):
-            if not in_verify["on"] or not cuda:
+            if not self._in_verify or not cuda:
                 return _real(inputs)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -202,11 +202,11 @@ class PhaseTimes:
         real_step = spec.step
 
         def spec_step(_real=real_step):
-            in_verify["on"] = True
+            self._in_verify = True
             try:
                 return _real()
             finally:
-                in_verify["on"] = False
+                self._in_verify = False
 
         runner.execute = execute
         spec.step = spec_step

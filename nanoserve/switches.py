@@ -65,7 +65,8 @@ class KernelSwitches:
     # graph-safe torch sum over every expert (13x slower at batch 1 on gpt-oss-20b, H200 2026-12-01).
     fused_gpt_oss: bool = True
     # FP8 MoE experts stay e4m3 in the fused MoE kernels on CUDA; off: dequantized to the compute dtype at
-    # load (the linears keep FP8). Off by default until the kernels' GPU tests pass (docs/fp8.md).
+    # load (the linears keep FP8). Off by default: correct on a GPU, but slower at one token and at
+    # prefill sizes than the bf16 experts (docs/fp8.md).
     fp8_experts: bool = False
     # Tensor parallelism: all-reduce row-parallel partial sums in fp32 and round once (off: model dtype).
     tp_reduce_fp32: bool = False

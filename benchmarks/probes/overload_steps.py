@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, run from anywhere
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, run from anywhere
 
 from nanoserve import SamplingParams
 from nanoserve.config import EngineConfig
