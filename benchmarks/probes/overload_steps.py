@@ -7,15 +7,15 @@ come, and the engine steps while it has work. A token counts as delivered when t
 returned it ends. Recorded per step: its wall time, decode rows, prompt tokens, queue and
 running lengths, and whether the scheduler was in a burst or had grown the step. Printed: ITL
 and TTFT percentiles (as a streaming client would see them, less HTTP), the number of steps over
-`--itl-bound` by kind and size, and the queue's length over time. `--burst-start`,
+`--itl-bound`, and the queue's length over time. `--burst-start`,
 `--burst-end`, `--growth` and `--drain-steps` override the scheduler's constants, and
-`--burst-max-running` tries a rule (no burst step while more than N requests decode), in the
-same process; `--max-queued` refuses arrivals while that many wait, as the
-server's --max-queued-requests does.
+`--burst-max-running` tries a rule (no burst step while more than N requests decode);
+`--max-queued` refuses arrivals while that many wait, as the server's --max-queued-requests
+does. `--variants` runs several such settings (and `--num-prompts` several lengths) on one
+engine, one after the other: the same arrivals for each, other prompts (no prefix-cache hits).
 
     python benchmarks/probes/overload_steps.py --model llama-3.1-8b --rate 32 --num-prompts 300
-    python benchmarks/probes/overload_steps.py --model llama-3.1-8b --rate 32 --num-prompts 600 --burst-start 2
-    python benchmarks/probes/overload_steps.py --model llama-3.1-8b --rate 32 --num-prompts 600 --burst-max-running 32
+    python benchmarks/probes/overload_steps.py --num-prompts 300 600 --variants "default|--burst-start 2|--growth 1.5"
 """
 
 from __future__ import annotations
@@ -102,13 +102,14 @@ def limit_bursts(engine: LLMEngine, max_running: int) -> None:
     sched.mixed_step_tokens = mixed_step_tokens
 
 
-def run(engine: LLMEngine, args, vocab: int) -> dict:
+def run(engine: LLMEngine, args, v: argparse.Namespace, num_prompts: int, vocab: int, prompt_seed: int) -> dict:
     rng = random.Random(args.seed)
     arrivals, t = [], 0.0
-    for i in range(args.num_prompts):
+    for i in range(num_prompts):
         arrivals.append(t)
         t += rng.expovariate(args.rate)
-    prompts = [[rng.randrange(vocab // 4, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    rng = random.Random(args.seed + prompt_seed)
+    prompts = [[rng.randrange(vocab // 4, vocab) for _ in range(args.input_len)] for _ in range(num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     steps: list[StepTrace] = []
     traced(engine, steps)
@@ -120,10 +121,10 @@ def run(engine: LLMEngine, args, vocab: int) -> dict:
     while nxt < len(arrivals) or engine.has_unfinished_requests():
         now = time.perf_counter() - start
         while nxt < len(arrivals) and arrivals[nxt] <= now:
-            if args.max_queued is not None and len(engine.scheduler.waiting) >= args.max_queued:
+            if v.max_queued is not None and len(engine.scheduler.waiting) >= v.max_queued:
                 refused += 1
             else:
-                rid = f"r{nxt}"
+                rid = f"r{prompt_seed}-{nxt}"
                 engine.add_request(rid, prompts[nxt], params)
                 arrived[rid] = arrivals[nxt]
                 token_times[rid] = []
@@ -178,17 +179,9 @@ def report(res: dict, bound_ms: float) -> None:
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--rate", type=float, default=32.0)
-    ap.add_argument("--num-prompts", type=int, default=300)
-    ap.add_argument("--input-len", type=int, default=1024)
-    ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--itl-bound", type=float, default=40.0, help="ms; steps and gaps above it are counted")
-    ap.add_argument("--max-queued", type=int, default=None, help="refuse arrivals while this many wait")
+def variant_parser() -> argparse.ArgumentParser:
+    """The scheduler settings one run tries (each `--variants` entry is parsed by it)."""
+    ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--burst-start", type=float, default=None, help="override BURST_START_SHARE (>1: no bursts)")
     ap.add_argument("--burst-end", type=float, default=None, help="override BURST_END_SHARE")
     ap.add_argument(
@@ -196,38 +189,98 @@ def main() -> None:
     )
     ap.add_argument("--growth", type=float, default=None, help="override MIXED_GROWTH (1: steps never grow)")
     ap.add_argument("--drain-steps", type=int, default=None, help="override QUEUE_DRAIN_STEPS")
+    ap.add_argument("--max-queued", type=int, default=None, help="refuse arrivals while this many wait")
+    return ap
+
+
+CONSTANTS = (
+    ("burst_start", "BURST_START_SHARE"),
+    ("burst_end", "BURST_END_SHARE"),
+    ("growth", "MIXED_GROWTH"),
+    ("drain_steps", "QUEUE_DRAIN_STEPS"),
+)
+
+
+def apply_variant(engine: LLMEngine, v: argparse.Namespace) -> dict:
+    """Set the scheduler's constants (and the candidate rule) for one run; returns what to restore."""
+    saved = {name: getattr(sched_mod, name) for _, name in CONSTANTS}
+    for flag, name in CONSTANTS:
+        if getattr(v, flag) is not None:
+            setattr(sched_mod, name, getattr(v, flag))  # read at each schedule() call
+    if v.burst_max_running is not None:
+        limit_bursts(engine, v.burst_max_running)
+    return saved
+
+
+def restore(engine: LLMEngine, saved: dict) -> None:
+    for name, value in saved.items():
+        setattr(sched_mod, name, value)
+    sched = engine.scheduler
+    for attr in ("schedule", "mixed_step_tokens"):  # the instance wrappers of traced / limit_bursts
+        sched.__dict__.pop(attr, None)
+    sched.bursting = False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, parents=[variant_parser()]
+    )
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--rate", type=float, default=32.0)
+    ap.add_argument("--num-prompts", type=int, nargs="+", default=[300])
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--itl-bound", type=float, default=40.0, help="ms; steps and gaps above it are counted")
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help='runs of one engine, "|"-separated, each a set of the settings above ("default": none), e.g. '
+        '"default|--burst-start 2|--growth 1.5"; without it one run of the flags given',
+    )
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--kv-cache-tokens", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None, help="write every step's trace here")
     args = ap.parse_args()
-    for flag, name in (
-        ("burst_start", "BURST_START_SHARE"),
-        ("burst_end", "BURST_END_SHARE"),
-        ("growth", "MIXED_GROWTH"),
-        ("drain_steps", "QUEUE_DRAIN_STEPS"),
-    ):
-        if getattr(args, flag) is not None:
-            setattr(sched_mod, name, getattr(args, flag))  # read at each schedule() call
+    if args.variants is None:
+        variants = [("flags", args)]
+    else:
+        vp = variant_parser()
+        variants = [
+            (v.strip(), vp.parse_args([] if v.strip() == "default" else v.split())) for v in args.variants.split("|")
+        ]
     extra = {k: v for k, v in (("max_model_len", args.max_model_len), ("kv_cache_tokens", args.kv_cache_tokens)) if v}
     config = EngineConfig.create(args.model, load_format=args.load_format, device=args.device, **extra)
     engine = LLMEngine(config)
-    if args.burst_max_running is not None:
-        limit_bursts(engine, args.burst_max_running)
     print(
-        f"{args.model} on {engine.device}, mixed budget {engine.scheduler.mixed_budget}, {args.rate:g} req/s x "
-        f"{args.num_prompts}, {args.input_len} in / {args.output_len} out; burst {sched_mod.BURST_START_SHARE} -> "
-        f"{sched_mod.BURST_END_SHARE}, growth {sched_mod.MIXED_GROWTH}, drain {sched_mod.QUEUE_DRAIN_STEPS} steps"
+        f"{args.model} on {engine.device}, mixed budget {engine.scheduler.mixed_budget}, {args.rate:g} req/s, "
+        f"{args.input_len} in / {args.output_len} out"
     )
     # Warm-up: one short request of each shape, not traced.
     engine.add_request("warm", [5] * args.input_len, SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    res = run(engine, args, engine.model_config.vocab_size)
-    report(res, args.itl_bound)
+    traces = []
+    for i, n in enumerate(args.num_prompts):
+        for j, (name, v) in enumerate(variants):
+            saved = apply_variant(engine, v)
+            print(
+                f"\n=== {n} prompts, {name}: burst {sched_mod.BURST_START_SHARE} -> {sched_mod.BURST_END_SHARE}, "
+                f"growth {sched_mod.MIXED_GROWTH}, drain {sched_mod.QUEUE_DRAIN_STEPS} steps"
+                + (f", bursts only while <= {v.burst_max_running} decode" if v.burst_max_running is not None else "")
+            )
+            # Same arrivals for every variant; other prompts each run (no prefix-cache hits between runs).
+            res = run(
+                engine, args, v, n, engine.model_config.vocab_size, prompt_seed=1000 * (i * len(variants) + j + 1)
+            )
+            restore(engine, saved)
+            report(res, args.itl_bound)
+            traces.append({"num_prompts": n, "variant": name, "steps": [asdict(s) for s in res["steps"]]})
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"args": vars(args), "steps": [asdict(s) for s in res["steps"]]}, f)
+            json.dump({"args": vars(args), "runs": traces}, f)
 
 
 if __name__ == "__main__":
