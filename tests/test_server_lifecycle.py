@@ -11,6 +11,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -121,6 +122,13 @@ def test_multi_prompt_n_stream_and_tokenizerless_model(fake_server):
             "prompt_tokens_details": {"cached_tokens": 0},
         }
         assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 256
+
+
+def test_both_processes_freeze_their_startup_heap(fake_server):
+    """Full collections in the API server stall every stream at once (nanoserve/heap.py)."""
+    log = fake_server.log
+    assert re.search(r"API server: \d+ startup objects moved out", log), log
+    assert re.search(r"engine process: \d+ startup objects moved out", log), log
 
 
 def test_accepted_connections_send_without_nagle():

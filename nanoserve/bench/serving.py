@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import random
 import statistics
@@ -58,6 +59,10 @@ try:
     import aiohttp
 except ImportError:  # the bench extra; `nanoserve bench serve` says so when it runs
     aiohttp = None
+
+from nanoserve.heap import GcPauseWatch, freeze_startup_heap
+
+logger = logging.getLogger("nanoserve.bench")
 
 
 @dataclass
@@ -522,6 +527,10 @@ async def amain(args) -> int:
             if not r.ok:
                 raise SystemExit(f"warm-up request failed: {r.error}")
 
+        # The client's own full collections would show as inter-token gaps: keep its startup
+        # heap out of them (nanoserve/heap.py), and report any long one.
+        freeze_startup_heap(logger, "benchmark client")
+        gc_watch = GcPauseWatch(logger).install()
         report = {
             "base_url": base,
             "model": model,
@@ -582,6 +591,12 @@ async def amain(args) -> int:
             if args.output_json:
                 _write_json(args.output_json, report)
 
+        gc_watch.remove()
+        young, middle, full = gc_watch.counts
+        print(
+            f"client garbage collections: {young} / {middle} / {full} of generations 0 / 1 / 2, "
+            f"longest {gc_watch.longest_s * 1e3:.1f} ms"
+        )
     if args.output_json:
         print(f"wrote {args.output_json}")
     if args.output_png:

@@ -18,7 +18,6 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
-import gc
 import importlib
 import logging
 import os
@@ -26,6 +25,7 @@ import signal
 import sys
 import traceback
 
+from nanoserve.heap import GcPauseWatch, freeze_startup_heap
 from nanoserve.server import messages as m
 
 logger = logging.getLogger("nanoserve.engine_process")
@@ -103,11 +103,9 @@ def engine_main(
     push.send(payload)
     # The startup heap (torch, transformers, the engine's own long-lived objects: ~200k) would
     # otherwise be scanned by every full collection, a pause in the step loop (a process
-    # holding LLM() on CPU: 126 ms, 0.01 ms once frozen; benchmarks/results/2026-11-21.md). The engine
-    # lives as long as this process, so nothing frozen here needs collecting later.
-    gc.collect()
-    gc.freeze()
-    logger.info("%d startup objects moved out of the garbage collector's scans", gc.get_freeze_count())
+    # holding LLM() on CPU: 126 ms, 0.01 ms once frozen; benchmarks/results/2026-11-21.md).
+    freeze_startup_heap(logger, "engine process")
+    GcPauseWatch(logger).install()
 
     code = 0
     try:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from nanoserve.heap import GcPauseWatch, freeze_startup_heap
 from nanoserve.server.app import ServerState, build_app
 from nanoserve.server.chat_features import ChatFeatures, ChatOptions
 from nanoserve.server.engine_client import EngineClient, EngineStartError
@@ -246,6 +247,8 @@ async def _serve(
             timeout_keep_alive=limits.keep_alive_s,
         )
         server = _Server(uv_config)
+        freeze_startup_heap(logger, "API server")  # see heap.py: full collections stall every stream
+        gc_watch = GcPauseWatch(logger).install()
 
         def on_death(reason: str) -> None:
             nonlocal exit_code
@@ -269,6 +272,7 @@ async def _serve(
             await server.serve(sockets=[sock])
         finally:
             announcer.cancel()
+            gc_watch.remove()
         return exit_code
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
