@@ -20,6 +20,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.scheduler.request import Status
 from nanoserve.scheduler.scheduler import (
     BURST_END_SHARE,
+    BURST_MIN_CROWD,
     BURST_START_SHARE,
     MIXED_GROWTH,
     QUEUE_DRAIN_STEPS,
@@ -62,13 +63,16 @@ class StepChecks:
         self.max_prompt_tokens = {"plain": 0, "grown": 0, "burst": 0}  # of mixed steps, by budget
         self.max_share_outside_burst = 0.0  # of the requests waiting when a mixed step was no burst
         self.bursting = False
+        self.max_share = 0.0  # of the requests waiting, at any step
         schedule = self.sched.schedule
 
         def checked() -> ScheduledBatch | None:
             sched = self.sched
             waiting, running = len(sched.waiting), len(sched.running)
             share = waiting / (waiting + running) if waiting + running else 0.0
-            self.bursting = share > (BURST_END_SHARE if self.bursting else BURST_START_SHARE)
+            crowd = sched.arrivals_since_step >= max(BURST_MIN_CROWD, running)
+            self.bursting = share > BURST_END_SHARE if self.bursting else crowd and share > BURST_START_SHARE
+            self.max_share = max(self.max_share, share)
             queued = sum(r.num_uncomputed for r in sched.waiting)
             grown = min(queued // QUEUE_DRAIN_STEPS, int(MIXED_GROWTH * (sched.mixed_budget or 0)), sched.chunk_budget)
             batch = schedule()
@@ -81,8 +85,9 @@ class StepChecks:
         self.sched.schedule = checked
 
     def check(self, batch: ScheduledBatch, burst: bool, grown: int) -> None:
-        """`burst`: a burst was on when `batch` was scheduled (begun above BURST_START_SHARE of
-        the queued requests waiting, not yet ended at BURST_END_SHARE), so a mixed step may
+        """`burst`: a burst was on when `batch` was scheduled (begun by a crowd of arrivals
+        above BURST_START_SHARE of the queued requests waiting, not yet ended at
+        BURST_END_SHARE), so a mixed step may
         hold the prefill budget; else it may hold `grown` tokens if that is above the mixed
         budget (the waiting prompts over QUEUE_DRAIN_STEPS, at most MIXED_GROWTH budgets)."""
         sched, k = self.sched, batch.num_decodes
@@ -303,6 +308,21 @@ def test_budget_adapts_to_decoding(model_dir):
     assert checks.max_prompt_tokens["grown"] <= int(MIXED_GROWTH * 8) < checks.max_prompt_tokens["burst"]
     assert 0 < checks.max_prompt_tokens["plain"] <= 8
     assert BURST_END_SHARE < checks.max_share_outside_burst <= BURST_START_SHARE, checks.max_share_outside_burst
+
+
+def test_a_queue_growing_under_overload_never_bursts(model_dir):
+    """Two slots, one prompt arriving per step: the queue grows past any share of the queued
+    requests, but no step is a burst (no crowd ever arrives), so decode rows keep steps of the
+    mixed budget. Outputs stay prefill-first's."""
+    rng = random.Random(11)
+    arrivals = [(step, [rng.randrange(VOCAB) for _ in range(12)]) for step in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    kw = {"chunked_prefill_size": 64, "max_num_batched_tokens": 8, "max_num_seqs": 2, "enable_prefix_caching": False}
+    slow, fast, checks, _ = both_policies(model_dir, arrivals, params, **kw)
+    assert fast == slow
+    assert checks.max_share > 0.9 > BURST_START_SHARE, checks.max_share  # 20+ waiting beside 2 running
+    assert checks.kinds["mixed"] > 0 and checks.kinds["burst"] == 0, checks.kinds
+    assert checks.max_prompt_tokens["burst"] == 0
 
 
 def test_config_and_cli_flags():

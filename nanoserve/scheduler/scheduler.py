@@ -17,8 +17,11 @@ Policy ("prefill-first", the slow twin of "mixed"):
   `mixed_budget` tokens (decode rows count one each; prompts get none when the decode rows
   alone reach it; none when a running request had to be preempted). The budget grows while
   prompts queue, up to `MIXED_GROWTH` times, and is `chunked_prefill_size` during a burst:
-  from when more than `BURST_START_SHARE` of the queued requests wait for their first token
-  until no more than `BURST_END_SHARE` do (see there). With nothing running a step is a
+  from when a crowd arrives (at least `BURST_MIN_CROWD` requests, and at least as many as
+  run, added since the previous step) and more than `BURST_START_SHARE` of the queued
+  requests wait for their first token, until no more than `BURST_END_SHARE` do (see there).
+  A queue that grows a few requests at a time never begins one, however long it gets, so the
+  running requests' steps stay short above capacity. With nothing running a step is a
   prefill batch of `chunked_prefill_size` tokens (throughput); with nothing waiting, a
   decode batch, scheduled exactly as under prefill-first (no extra host work on the decode
   path);
@@ -90,10 +93,16 @@ from nanoserve.scheduler.request import Request, Status
 #   A burst begins only above half: a queue that builds up under overload passed a fifth
 #   near the end of the arrivals at 32 req/s, and each burst step then held 126 decoding
 #   requests for 280 ms, which took the inter-token p99 to 42.5 ms on one server (34.8 ms on
-#   another without; bound 40). Beginning at half gave 32.7-33.9 ms in four runs. Such a
-#   queue stays well below half.
+#   another without; bound 40). Beginning at half gave 32.7-33.9 ms in four runs. But a long
+#   enough overload passes half too: at 32 req/s with steps grown 1.5 times, 600 prompts
+#   queued 142 beside 153 running, and its burst steps (up to 210 ms with 255 decode rows)
+#   took the engine's inter-token p99 to 203 ms (benchmarks/results/2026-12-02.md). So a
+#   burst also needs a crowd: at least BURST_MIN_CROWD requests, and as many as run, added
+#   since the previous step. Poisson arrivals add one or two per step (32 req/s, 35 ms steps);
+#   200 requests sent at once arrive within a few steps.
 BURST_START_SHARE = 0.5
 BURST_END_SHARE = 0.1
+BURST_MIN_CROWD = 4
 QUEUE_DRAIN_STEPS = 3
 MIXED_GROWTH = 2.0
 
@@ -151,6 +160,7 @@ class Scheduler:
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
         self.bursting = False  # see BURST_START_SHARE
+        self.arrivals_since_step = 0  # requests added since the last `schedule` (a crowd begins a burst)
         self.num_prefill_tokens = 0  # tokens computed by prefill steps (cache hits excluded)
         self.num_with_penalties = 0
 
@@ -158,6 +168,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.arrivals_since_step += 1
         self.num_with_penalties += req.params.has_penalties
 
     def has_work(self) -> bool:
@@ -304,12 +315,20 @@ class Scheduler:
     # ---- scheduling --------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch | None:
-        queued = len(self.waiting) + len(self.running)
-        share = len(self.waiting) / queued if queued else 0.0
-        self.bursting = share > (BURST_END_SHARE if self.bursting else BURST_START_SHARE)
+        self.bursting = self.burst_continues()
+        self.arrivals_since_step = 0
         if self.mixed_budget is None or not self.waiting or not self.running:
             return self._schedule_prefill(self.chunk_budget) or self._schedule_decode()
         return self._schedule_mixed(self.mixed_step_tokens())
+
+    def burst_continues(self) -> bool:
+        """Whether the step scheduled now is part of a burst (see BURST_START_SHARE)."""
+        queued = len(self.waiting) + len(self.running)
+        share = len(self.waiting) / queued if queued else 0.0
+        if self.bursting:
+            return share > BURST_END_SHARE
+        crowd = self.arrivals_since_step >= max(BURST_MIN_CROWD, len(self.running))
+        return crowd and share > BURST_START_SHARE
 
     def mixed_step_tokens(self) -> int:
         """Tokens a mixed step scheduled now may hold, decode rows included: `mixed_budget`,
