@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import random
 import statistics
 import time
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve import LLM, SamplingParams, StructuredOutputs
+from nanoserve.heap import GcPauseWatch, freeze_startup_heap
 from nanoserve.structured import GrammarService
 
 SCHEMA = {
@@ -191,6 +193,10 @@ def main() -> None:
     params = {kind: params_for(kind.split()[0], args.num_seqs, args.max_tokens, schema) for kind, schema in runs}
     for kind, _ in runs:
         llm.generate(prompts[: min(8, args.num_seqs)], params[kind][:8], use_tqdm=False)  # warm-up of this kind
+    # A full collection scans torch's, transformers' and xgrammar's objects (~100 ms on a CPU) and
+    # lands in some rounds of ~0.5 s only: freeze them (nanoserve/heap.py), count what remains.
+    freeze_startup_heap(logging.getLogger("structured"), "benchmark")
+    gc_watch = GcPauseWatch(logging.getLogger("structured")).install()
     # Rounds of every kind back to back: each ratio to free compares runs minutes apart at
     # most, so the machine's drift (the free run alone varies by 15% between calls) cancels.
     # Each constrained run is followed by its free twin of the same output lengths.
@@ -221,6 +227,12 @@ def main() -> None:
         print(line, flush=True)
         if kind != "free":
             print(f"{'':17s}rounds, % of free: " + " ".join(f"{r / f * 100:.1f}" for r, f in zip(rates, free_rates)))
+    young, middle, full = gc_watch.counts
+    print(
+        f"garbage collections in the timed rounds: {young} / {middle} / {full} of generations 0 / 1 / 2, "
+        f"longest {gc_watch.longest_s * 1e3:.1f} ms"
+    )
+    gc_watch.remove()
     llm.engine.check_invariants()
 
 

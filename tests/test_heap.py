@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 
-from nanoserve.heap import GcPauseWatch, freeze_startup_heap
+from nanoserve.heap import DeferredFullCollections, GcPauseWatch, freeze_startup_heap
 
 
 class FakeClock:
@@ -54,3 +54,41 @@ def test_pause_watch_installs_once_and_sees_real_collections():
     finally:
         watch.remove()
     assert watch not in gc.callbacks
+
+
+def test_full_collections_wait_for_an_idle_moment():
+    clock, calls, idle = FakeClock(), [], [False]
+    saved = gc.get_threshold()
+    deferred = DeferredFullCollections(
+        lambda: idle[0], idle_after_s=10, at_least_every_s=300, clock=clock, collect=calls.append
+    ).start()
+    try:
+        assert gc.get_threshold()[:2] == saved[:2] and gc.get_threshold()[2] >= 2**30  # none from allocations
+        gc.collect(1)  # a young collection moves objects into the oldest generation
+        clock.t = 50
+        assert not deferred.tick() and calls == []  # busy: no full collection
+        idle[0] = True
+        clock.t = 5  # idle, but the last full collection was 5 s ago
+        deferred.last_full = 0
+        assert not deferred.tick()
+        clock.t = 11
+        assert deferred.tick() and calls == [2] and deferred.last_full == 11
+        idle[0] = False
+        clock.t = 11 + 299
+        assert not deferred.tick()
+        clock.t = 11 + 300  # under load that never pauses: one every at_least_every_s
+        assert deferred.tick() and calls == [2, 2] and deferred.num_full == 2
+    finally:
+        deferred.stop()
+    assert gc.get_threshold() == saved
+
+
+def test_an_idle_process_with_nothing_new_is_not_collected_again():
+    clock, calls = FakeClock(), []
+    deferred = DeferredFullCollections(lambda: True, idle_after_s=10, clock=clock, collect=calls.append).start()
+    try:
+        gc.collect()  # nothing promoted since
+        clock.t = 20
+        assert not deferred.tick() and calls == []
+    finally:
+        deferred.stop()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from nanoserve.heap import GcPauseWatch, freeze_startup_heap
+from nanoserve.heap import DeferredFullCollections, GcPauseWatch, freeze_startup_heap
 from nanoserve.server.app import ServerState, build_app
 from nanoserve.server.chat_features import ChatFeatures, ChatOptions
 from nanoserve.server.engine_client import EngineClient, EngineStartError
@@ -247,8 +247,11 @@ async def _serve(
             timeout_keep_alive=limits.keep_alive_s,
         )
         server = _Server(uv_config)
-        freeze_startup_heap(logger, "API server")  # see heap.py: full collections stall every stream
+        # Full collections stall every stream (heap.py): freeze the startup heap, and run them
+        # only while no request is in flight, or every few minutes under constant load.
+        freeze_startup_heap(logger, "API server")
         gc_watch = GcPauseWatch(logger).install()
+        full_collections = DeferredFullCollections(lambda: client.num_tracked_requests == 0).start()
 
         def on_death(reason: str) -> None:
             nonlocal exit_code
@@ -267,11 +270,23 @@ async def _serve(
             if show_examples:
                 print(examples(url, served_name, api_key), flush=True)
 
+        async def collect_when_due() -> None:
+            try:
+                while True:
+                    await asyncio.sleep(1.0)
+                    full_collections.tick()
+            except Exception:  # never leave the process without full collections
+                logger.exception("deferred full collections failed; the collector's own schedule is back")
+                full_collections.stop()
+
         announcer = loop.create_task(announce())
+        collector = loop.create_task(collect_when_due())
         try:
             await server.serve(sockets=[sock])
         finally:
             announcer.cancel()
+            collector.cancel()
+            full_collections.stop()
             gc_watch.remove()
         return exit_code
     finally:
