@@ -2,9 +2,11 @@
 128-token prompt and 256 output tokens (greedy, ignore_eos), on dummy weights, against the
 weights-bandwidth floor (weight bytes / device-to-device copy bandwidth of this run). Weight
 bytes are the parameters as stored: with --quantization fp8 the linears count one byte per
-weight plus their fp32 scales (embedding and LM head stay bf16). Mixture-of-experts models
-(qwen3-30b-a3b, mixtral-8x7b): the floor counts the top-k experts of each sparse layer
-(the batch-1 case of E * (1 - (1 - k/E)^B)), the rest of the weights in full.
+weight plus their fp32 scales (embedding and LM head stay bf16); gpt-oss's MXFP4 experts, kept
+packed with NANOSERVE_MXFP4_EXPERTS=1, half a byte per weight plus a scale byte per 32 (by default
+dequantized to bf16 at load, and counted so). Mixture-of-experts models (qwen3-30b-a3b,
+mixtral-8x7b, gpt-oss): the floor counts the top-k experts of each sparse layer (the batch-1
+case of E * (1 - (1 - k/E)^B)), the rest of the weights in full.
 
     python benchmarks/latency.py [--models qwen3-0.6b llama-3.1-8b qwen3-30b-a3b mixtral-8x7b] [--repeats 3] [--triton-ops off on] [--quantization fp8]
 

@@ -100,7 +100,9 @@ def step_weight_bytes(model: torch.nn.Module, batch: int) -> float:
     """Weight bytes a decode step of `batch` sequences must read: every parameter once, except
     the routed experts of MoE layers (gpt-oss's with their biases), of which only the expected distinct experts
     (`expected_experts`); attention, embedding, LM head, routers and shared experts in full.
-    For a dense model: weight_bytes(model)."""
+    Parameters count as stored: gpt-oss's packed MXFP4 experts half a byte a weight plus a
+    scale byte per 32 (uint8 codes and scales), dequantized ones (the default)
+    their dtype's bytes. For a dense model: weight_bytes(model)."""
     total = float(weight_bytes(model))
     for module in model.modules():
         if isinstance(module, (SparseMoE, GptOssMoE)):

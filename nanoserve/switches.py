@@ -64,6 +64,11 @@ class KernelSwitches:
     # gpt-oss's experts through the fused MoE kernels on CUDA (only the chosen experts read); off: the
     # graph-safe torch sum over every expert (13x slower at batch 1 on gpt-oss-20b, H200 2026-12-01).
     fused_gpt_oss: bool = True
+    # gpt-oss's MXFP4 experts stay packed (4-bit codes, a scale byte per 32) and the fused MoE kernels decode
+    # them in registers, the torch twins per expert; off: dequantized to the compute dtype at load (3.8x the
+    # expert bytes in bf16). Off by default: correct on a GPU and a quarter of the memory (gpt-oss-120b fits
+    # one H200 only so), but gpt-oss-20b decodes at 4.48 ms per token with it against 2.78 without (H200).
+    mxfp4_experts: bool = False
     # FP8 MoE experts stay e4m3 in the fused MoE kernels on CUDA; off: dequantized to the compute dtype at
     # load (the linears keep FP8). Off by default: correct on a GPU, but slower at one token and at
     # prefill sizes than the bf16 experts (docs/fp8.md).

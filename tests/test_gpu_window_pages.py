@@ -5,14 +5,22 @@ window (nanoserve.kvcache.window), the prefix cache off unless said: greedy toke
 the decode CUDA graphs (the windowed layers' page tables gathered inside the graph) and
 eagerly equal the CPU engine's, which tests/test_window_pages.py holds equal to transformers;
 a cache small enough that given-back pages are reused; with the prefix cache on, a second
-pass hits and still gives the CPU's tokens. In bf16 graphs and eager runs are bit-equal."""
+pass hits and still gives the CPU's tokens. In bf16 graphs and eager runs are bit-equal. The
+same for gpt-oss with MXFP4 experts kept packed (the fused MoE kernels' MXFP4 path)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from nanoserve import LLM, SamplingParams
-from tests.tiny import WINDOWED, make_tiny_model, random_prompts
+from nanoserve.models.loader import dummy_checkpoint
+from nanoserve.models.registry import resolve_model
+from nanoserve.switches import KernelSwitches
+from tests.tiny import WINDOWED, make_tiny_model, random_prompts, tiny_config
 
 pytestmark = pytest.mark.gpu
 
@@ -81,3 +89,43 @@ def test_fp32_fused_gpt_oss_experts_equal_cpu(model, monkeypatch):
         llm = LLM(str(path), device="cuda", dtype="float32", enforce_eager=eager, cuda_graph_max_bs=8, **ENGINE)
         assert llm.engine.config.switches.fused_gpt_oss
         assert tokens(llm, prompts) == cpu
+
+
+@pytest.fixture(scope="module")
+def mxfp4_model(tmp_path_factory):
+    """The tiny gpt-oss as an MXFP4 checkpoint (its dummy MXFP4 experts made on the CPU and
+    saved, so that both devices load the same codes), and the CPU engine's tokens on it (its
+    experts dequantized at load, the default)."""
+    path = tmp_path_factory.mktemp("mxfp4")
+    cfg = {**tiny_config("gpt-oss"), "quantization_config": {"quant_method": "mxfp4"}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    state = dict(dummy_checkpoint(resolve_model(str(path)).config, 2, torch.device("cpu"), torch.float32))
+    assert any(name.endswith("_blocks") for name in state)
+    save_file({n: t.contiguous() for n, t in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    prompts = random_prompts(11, seed=6, min_len=10, max_len=120)
+    return path, prompts, tokens(LLM(str(path), device="cpu", **ENGINE), prompts)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_fp32_mxfp4_experts_equal_cpu(mxfp4_model, eager):
+    """gpt-oss's MXFP4 experts kept packed (NANOSERVE_MXFP4_EXPERTS=1): the fused MoE
+    kernels decode the codes in registers, in the decode graphs and eagerly, and give the CPU's
+    tokens."""
+    path, prompts, cpu = mxfp4_model
+    packed = KernelSwitches(mxfp4_experts=True)
+    llm = LLM(
+        str(path), device="cuda", dtype="float32", enforce_eager=eager, cuda_graph_max_bs=8, switches=packed, **ENGINE
+    )
+    assert llm.engine.config.switches.mxfp4_experts
+    assert llm.engine.runner.model.layers[0].mlp.experts.w13.dtype == torch.uint8
+    assert tokens(llm, prompts) == cpu
+    assert (llm.engine.runner.graphs is None) == eager
+
+
+def test_bf16_mxfp4_graphs_equal_eager(mxfp4_model):
+    path, prompts, _ = mxfp4_model
+    runs = [
+        tokens(LLM(str(path), device="cuda", dtype="bfloat16", enforce_eager=e, **ENGINE), prompts)
+        for e in (False, True)
+    ]
+    assert runs[0] == runs[1]

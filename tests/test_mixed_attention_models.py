@@ -6,17 +6,21 @@ bundled configs' shapes, and the refusals."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.distributed import TPGroup
 from nanoserve.models import mxfp4
+from nanoserve.models.gpt_oss import GptOssExperts
 from nanoserve.models.loader import hf_parameter_shapes
 from nanoserve.models.model_config import ModelConfig
 from nanoserve.models.quantization import UnsupportedQuantization
 from nanoserve.models.registry import resolve_model
+from nanoserve.switches import KernelSwitches
 from tests.tiny import hf_greedy, make_tiny_model, random_prompts, tiny_config
 
 
@@ -117,6 +121,73 @@ def test_mxfp4_checkpoint_loads_to_transformers_tokens(tmp_path):
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens == hf_greedy(plain, prompts, 12)
     llm.engine.check_invariants()
+
+
+def mxfp4_llm(directory, packed: bool) -> LLM:
+    """The tiny gpt-oss with a config that says MXFP4, on dummy (random MXFP4) weights, fp32 on
+    CPU: its experts kept packed or dequantized at load (NANOSERVE_MXFP4_EXPERTS)."""
+    cfg = {**tiny_config("gpt-oss"), "quantization_config": {"quant_method": "mxfp4"}}
+    (directory / "config.json").write_text(json.dumps(cfg))
+    switches = KernelSwitches(mxfp4_experts=packed)
+    return LLM(str(directory), device="cpu", dtype="float32", load_format="dummy", switches=switches)
+
+
+def test_mxfp4_experts_packed_equal_dequantized(tmp_path, monkeypatch):
+    """Dummy MXFP4 experts kept packed (NANOSERVE_MXFP4_EXPERTS=1: uint8 codes and scales, which the torch twin
+    dequantizes per expert on the fly) give the greedy tokens of the same weights dequantized at
+    load, and take 17/128 of their fp32 bytes (half a byte and 1/32 of a scale byte an element),
+    which the benchmarks' weights floor counts (its batch-1 experts: k of E a layer)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from offline_throughput import step_weight_bytes
+
+    prompts = random_prompts(3, seed=3, min_len=20, max_len=40)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for packed in (True, False):
+        llm = mxfp4_llm(tmp_path, packed)
+        runs[packed] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.engine.check_invariants()
+        model = llm.engine.runner.model
+        experts = model.layers[0].mlp.experts
+        weights = (experts.w13, experts.w2) + ((experts.w13_scale, experts.w2_scale) if packed else ())
+        assert all(w.dtype == (torch.uint8 if packed else torch.float32) for w in weights)
+        runs[packed, "bytes"] = sum(w.numel() * w.element_size() for w in weights)
+        runs[packed, "floor"] = step_weight_bytes(model, 1)
+    assert runs[True] == runs[False]
+    assert runs[True, "bytes"] * 128 == runs[False, "bytes"] * 17
+    cfg = tiny_config("gpt-oss")
+    per_token = cfg["num_hidden_layers"] * cfg["num_experts_per_tok"] / cfg["num_local_experts"]
+    saved = (runs[False, "bytes"] - runs[True, "bytes"]) * per_token
+    assert runs[False, "floor"] - runs[True, "floor"] == pytest.approx(saved)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_mxfp4_experts_load_each_ranks_slice(rank):
+    """Packed experts of a tensor-parallel rank (2 ranks, expert shards of two 32-groups): their
+    codes and scales dequantize to the rank's slice of the dequantized-at-load experts."""
+    E, H, inter, tp = 3, 64, 128, TPGroup(rank, 2)
+    gen = torch.Generator().manual_seed(rank)
+    ckpt = dict(mxfp4.dummy_pair("gate_up_proj", (E, H, 2 * inter), gen, "cpu"))
+    ckpt |= dict(mxfp4.dummy_pair("down_proj", (E, inter, H), gen, "cpu"))
+    full = dict(mxfp4.dequantized(iter(ckpt.items()), torch.float32))
+    plain, packed = GptOssExperts(E, H, inter, tp), GptOssExperts(E, H, inter, tp)
+    packed.use_mxfp4()
+    for name, leaf in (("gate_up_proj", "w13"), ("down_proj", "w2")):
+        getattr(plain, leaf).weight_loader(getattr(plain, leaf), full[name], None)
+        for suffix, param in (("_blocks", leaf), ("_scales", leaf + "_scale")):
+            getattr(packed, param).weight_loader(getattr(packed, param), ckpt[name + suffix], None)
+    w13, w2 = packed.scales.dequantized(packed.w13, packed.w2, torch.float32)
+    assert torch.equal(w13, plain.w13.data) and torch.equal(w2, plain.w2.data)
+
+
+def test_mxfp4_dummy_pair_is_varied_and_scaled():
+    """Dummy MXFP4 weights: every code and both scales of the rule occur, and the dequantized
+    weights' variance is near 1/K (the dummy loader's rule for every matrix)."""
+    blocks, scales = (t for _, t in mxfp4.dummy_pair("w", (4, 2880, 64), torch.Generator().manual_seed(0), "cpu"))
+    assert blocks.shape == (4, 64, 90, 16) and scales.shape == (4, 64, 90)
+    assert len(torch.unique(blocks & 15)) == 16 and len(torch.unique(scales)) == 2
+    var = mxfp4.dequantize(blocks, scales, torch.float64).var().item()
+    assert 0.5 / 2880 < var < 1.5 / 2880, var
 
 
 def test_refusals_by_name(tmp_path):

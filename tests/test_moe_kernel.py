@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 
 import pytest
@@ -530,3 +531,157 @@ def test_gpu_fused_moe_gpt_oss_shapes(T):
         err = rel_err(moe.fused_moe(*b, weights, ids, path=path, act=act16), want)
         print(f"gpt-oss experts T={T} {path}: kernel {err:.2e}, twin {twin:.2e}")
         assert err < 1.5 * twin + 1e-3, (path, err, twin)
+
+
+# ---------------------------------------------------------------------------------------------- MXFP4
+
+
+def mxfp4_inputs(T, H, inter, E, k, dtype=torch.float32, device="cpu", seed=0):
+    """Random hidden and routing, and MXFP4 experts: uniform random codes (every value, both
+    nibbles) and scales 2^-6..2^-3 varied per group (a wrong scale or nibble order shows)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(T, H, generator=gen, device=device).to(dtype)
+    u8 = {"generator": gen, "device": device, "dtype": torch.uint8}
+    w13, w2 = torch.randint(0, 256, (E, 2 * inter, H // 2), **u8), torch.randint(0, 256, (E, H, inter // 2), **u8)
+    # variance 8.6 * 2^(2(s-127)): O(1) products at these widths
+    lo13, lo2 = (127 - round(0.5 * math.log2(8.6 * n)) - 1 for n in (H, inter))
+    s13 = torch.randint(lo13, lo13 + 3, (E, 2 * inter, H // 32), **u8)
+    s2 = torch.randint(lo2, lo2 + 3, (E, H, inter // 32), **u8)
+    weights, ids = moe.route_reference(torch.randn(T, E, generator=gen, device=device), k, True)
+    return hidden, w13, w2, weights, ids, moe.Mxfp4Scales(s13, s2)
+
+
+def test_mxfp4_packing_is_the_checkpoint_format():
+    """The kernels' nibble order (`pack_mxfp4`) dequantizes to the checkpoint format's values
+    (nanoserve.models.mxfp4, checked there against the format by hand), bit for bit."""
+    from nanoserve.models import mxfp4
+
+    blocks = torch.randint(0, 256, (3, 5, 4, 16), dtype=torch.uint8)
+    scales = torch.randint(100, 150, (3, 5, 4), dtype=torch.uint8)
+    want = mxfp4.dequantize(blocks, scales, torch.float32)
+    assert torch.equal(moe.dequantize_mxfp4(moe.pack_mxfp4(blocks), scales, torch.float32), want)
+    hidden, w13, w2, weights, ids, scales = mxfp4_inputs(3, 64, 32, 4, 2)
+    d13, d2 = scales.dequantized(w13, w2, torch.float32)
+    act = gpt_oss_act(4, 32, 64)
+    torch.testing.assert_close(  # the twin's on-the-fly dequantization is the dequantized weights'
+        moe.fused_moe_reference(hidden, w13, w2, weights, ids, act, scales),
+        moe.fused_moe_reference(hidden, d13, d2, weights, ids, act),
+        atol=0,
+        rtol=0,
+    )
+
+
+# (T, H, I, configs): gpt-oss's tiny widths at 1, 3 and 17 tokens (the fallback's tiles; at 17,
+# 32-row tiles: 16-row ones took 10.6 s in the interpreter), and H of five groups in K steps
+# that end in a part step (decode: two groups, its down product split over its depth; grouped:
+# four, the least), experts no token chose among them.
+MXFP4_CASES = [
+    (1, 64, 64, None),
+    (3, 64, 64, None),
+    (17, 64, 64, ((1, 32, 64, 1, 1), (1, 32, 64, 1, 1))),
+    (2, 160, 64, ((1, 16, 64, 1, 1), (1, 16, 64, 1, 1, 3))),
+]
+
+
+@interp
+@pytest.mark.parametrize("path", ["decode", "grouped"])
+@pytest.mark.parametrize(("T", "H", "inter", "cfgs"), MXFP4_CASES)
+def test_interp_fused_moe_mxfp4_fp32(path, T, H, inter, cfgs):
+    """MXFP4 experts (4 experts, top-2, gpt-oss's biases and clamped SwiGLU): the codes decoded in
+    the kernels' registers match the twin on the dequantized weights to summation-order noise."""
+    hidden, w13, w2, weights, ids, scales = mxfp4_inputs(T, H, inter, 4, 2)
+    act = gpt_oss_act(4, inter, H)
+    configs = None
+    if cfgs is not None:
+        configs = tuple(moe.MoEConfig(*c) if path == "decode" else moe.MoEConfig(16, *c[1:4], 1) for c in cfgs)
+    out = moe.fused_moe(hidden, w13, w2, weights, ids, configs=configs, path=path, scales=scales, act=act)
+    ref = moe.fused_moe_reference(hidden, w13, w2, weights, ids, act, scales)
+    assert out.dtype == torch.float32 and ref.abs().max() > 0.5
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+@interp
+def test_interp_fused_moe_mxfp4_bf16():
+    """bf16 activations on MXFP4 experts: both paths near the bf16 twin's distance from the fp64
+    truth (bound as test_interp_fused_moe_bf16's: the interpreter truncates to bf16)."""
+    hidden, w13, w2, weights, ids, scales = mxfp4_inputs(3, 64, 64, 4, 2, torch.bfloat16)
+    act = gpt_oss_act(4, 64, 64, dtype=torch.bfloat16)
+    act64 = moe.ClampedSwiGLU(act.b13.double(), act.b2.double(), act.alpha, act.limit)
+    d13, d2 = scales.dequantized(w13, w2, torch.float64)
+    want = moe.fused_moe_reference(hidden.double(), d13, d2, weights.double(), ids, act64)
+    twin = rel_err(moe.fused_moe_reference(hidden, w13, w2, weights, ids, act, scales), want)
+    for path in ("decode", "grouped"):
+        out = moe.fused_moe(hidden, w13, w2, weights, ids, path=path, scales=scales, act=act)
+        err = rel_err(out, want)
+        print(f"mxfp4 experts, bf16 {path}: kernel {err:.2e}, twin {twin:.2e}")
+        assert out.dtype == torch.bfloat16 and err < 5 * twin + 1e-3, (path, err, twin)
+
+
+def test_fused_moe_refuses_bad_mxfp4():
+    hidden, w13, w2, weights, ids, scales = mxfp4_inputs(2, 64, 64, 4, 2)
+    with pytest.raises(ValueError, match="need their Mxfp4Scales"):  # uint8 weights of unpacked shapes
+        moe.fused_moe_partials(hidden, w13.repeat(1, 1, 2), w2.repeat(1, 1, 2), weights, ids)
+    with pytest.raises(ValueError, match="MXFP4: w13"):
+        moe.fused_moe_partials(hidden, w13[:, :, :16], w2, weights, ids, scales=scales)
+    with pytest.raises(ValueError, match="w2 scales must be"):
+        moe.fused_moe_partials(hidden, w13, w2, weights, ids, scales=moe.Mxfp4Scales(scales.w13, scales.w2.float()))
+    with pytest.raises(ValueError, match="powers? of two"):
+        cfg = moe.MoEConfig(1, 16, 48, 1, 1)
+        moe.fused_moe_partials(hidden, w13, w2, weights, ids, configs=(cfg, cfg), path="decode", scales=scales)
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 8, 256])
+def test_gpu_fused_moe_mxfp4_gpt_oss_shapes(T):
+    """gpt-oss-20b's experts as MXFP4 (H = I = 2880, 32 experts, top-4): fp32 tight against the
+    twin (the weights dequantized), bf16 within 1.5x of the bf16 twin's error to the fp64 truth,
+    both paths and the table's choice."""
+    H, inter, E, k = 2880, 2880, 32, 4
+    hidden, w13, w2, weights, ids, scales = mxfp4_inputs(T, H, inter, E, k, device="cuda", seed=T)
+    act = dataclasses.replace(gpt_oss_act(E, inter, H, device="cuda"), limit=7.0)
+    ref = moe.fused_moe_reference(hidden, w13, w2, weights, ids, act, scales)
+    for path in ("decode", "grouped", None):
+        out = moe.fused_moe(hidden, w13, w2, weights, ids, path=path, scales=scales, act=act)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    x = hidden.bfloat16()
+    act16 = moe.ClampedSwiGLU(act.b13.bfloat16(), act.b2.bfloat16(), act.alpha, act.limit)
+    act64 = moe.ClampedSwiGLU(act.b13.double(), act.b2.double(), act.alpha, act.limit)
+    d13, d2 = scales.dequantized(w13, w2, torch.float64)
+    want = moe.fused_moe_reference(x.double(), d13, d2, weights.double(), ids, act64)
+    twin = rel_err(moe.fused_moe_reference(x, w13, w2, weights, ids, act16, scales), want)
+    for path in ("decode", "grouped", None):
+        err = rel_err(moe.fused_moe(x, w13, w2, weights, ids, path=path, scales=scales, act=act16), want)
+        print(f"mxfp4 gpt-oss experts T={T} {path}: kernel {err:.2e}, twin {twin:.2e}")
+        assert err < 1.5 * twin + 1e-3, (path, err, twin)
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 8, 300])
+def test_gpu_mxfp4_graph_replay_bit_equal(T):
+    """route + fused_moe on MXFP4 experts captured in a CUDA graph (no host synchronisation) and
+    replayed on new inputs: bit-equal to eager."""
+    H, inter, E, k = 1024, 512, 32, 4
+    hidden, w13, w2, _, _, scales = mxfp4_inputs(T, H, inter, E, k, torch.bfloat16, "cuda")
+    act = gpt_oss_act(E, inter, H, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(T, E, device="cuda")
+
+    def layer():
+        w, ids = moe.route(logits, k, True)
+        return moe.fused_moe(hidden, w13, w2, w, ids, scales=scales, act=act)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer()
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+        hidden.copy_(torch.randn(T, H, generator=gen, device="cuda"))
+        logits.copy_(torch.randn(T, E, generator=gen, device="cuda") * 3)
+        graph.replay()
+        eager = layer()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager)

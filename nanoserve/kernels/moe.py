@@ -19,6 +19,13 @@ k * split_k when the decode path splits the down product's depth): `fused_moe` a
 in plane order and rounds once (the split-K sum kernel of linear.py), `fused_moe_partials`
 returns them for the next RMSNorm to add in the same order (one launch less per layer).
 
+MXFP4 experts (gpt-oss's checkpoints; `Mxfp4Scales`): w13 [E, 2*I, H/2] and w2 [E, H, I/2] uint8,
+packed codes in the kernels' layout (`pack_mxfp4`), and e8m0 scales [E, 2*I, H/32], [E, H, I/32]
+uint8. Both paths read them packed and make the values in registers by bit operations
+(`_e2m1_pair`): the decode path multiplies them in fp32 and applies each 32-group's scale to its
+partial sum, the grouped path scales them, rounds them to the activations' dtype (exact) and runs
+its dots on them. The twins dequantize the chosen experts on the fly (`dequantize_mxfp4`).
+
 Invariants: nothing here reads device data on the host (buffer sizes come from T, E, k and
 BLOCK_M only: the worst case T*k + E*(BLOCK_M-1) padded rows), so CUDA graphs capture route
 and fused_moe; the block sizes come from `TUNED` (measured by benchmarks/moe.py --tune) or,
@@ -72,15 +79,27 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, e: int, act: ClampedSwiGLU | None) -> torch.Tensor:
+def expert_mlp(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    e: int,
+    act: ClampedSwiGLU | None,
+    scales: Mxfp4Scales | None = None,
+) -> torch.Tensor:
     """Expert e's MLP on rows x, in x's dtype (as Hugging Face's run): silu(gate) * up, or
-    gpt-oss's biased products and clamped SwiGLU."""
-    inter = w2.shape[2]
+    gpt-oss's biased products and clamped SwiGLU. MXFP4 experts (`scales`): expert e's weights
+    dequantized to x's dtype first (exact in bf16 and fp32), the others left packed."""
+    if scales is None:
+        w13_e, w2_e = w13[e], w2[e]
+    else:
+        w13_e, w2_e = scales.expert(w13, w2, e, x.dtype)
+    inter = w2_e.shape[1]
     if act is None:
-        gate, up = F.linear(x, w13[e]).split(inter, dim=-1)
-        return F.linear(F.silu(gate) * up, w2[e])
-    gate, up = F.linear(x, w13[e], act.b13[e]).split(inter, dim=-1)
-    return F.linear(clamped_swiglu(gate, up, act.alpha, act.limit), w2[e], None if act.b2 is None else act.b2[e])
+        gate, up = F.linear(x, w13_e).split(inter, dim=-1)
+        return F.linear(F.silu(gate) * up, w2_e)
+    gate, up = F.linear(x, w13_e, act.b13[e]).split(inter, dim=-1)
+    return F.linear(clamped_swiglu(gate, up, act.alpha, act.limit), w2_e, None if act.b2 is None else act.b2[e])
 
 
 def fused_moe_reference(
@@ -90,18 +109,20 @@ def fused_moe_reference(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     act: ClampedSwiGLU | None = None,
+    scales: Mxfp4Scales | None = None,
 ) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e x) * up_e x) for hidden [T, H] (with `act`, gpt-oss's
     experts: `expert_mlp`): a loop over the experts that tokens chose. The expert MLPs run in
     hidden's dtype (as Hugging Face's do); the weighted sum accumulates in fp32 and is rounded
     once to hidden's dtype. Reads the routing on the host (torch.unique), so it is the CPU
-    path, never a graph-captured one."""
-    _check_args(hidden, w13, w2, topk_weights, topk_ids)
+    path, never a graph-captured one. MXFP4 experts (packed w13, w2 and their `scales`): each
+    chosen expert is dequantized on the fly (the twin of the kernels' MXFP4 path)."""
+    _check_args(hidden, w13, w2, topk_weights, topk_ids, _packing(scales))
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     ids = topk_ids.long()
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
-        y = expert_mlp(hidden[token], w13, w2, e, act).float() * topk_weights[token, slot, None].float()
+        y = expert_mlp(hidden[token], w13, w2, e, act, scales).float() * topk_weights[token, slot, None].float()
         out.index_add_(0, token, y)
     return out.to(hidden.dtype)
 
@@ -113,16 +134,18 @@ def fused_moe_every_expert(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     act: ClampedSwiGLU | None = None,
+    scales: Mxfp4Scales | None = None,
 ) -> torch.Tensor:
     """The sum of `fused_moe_reference` without reading the routing on the host: every expert
     runs on every token and is weighted by the token's routing weight for it (zero if not
     chosen), summed in fp32 and rounded once. No host synchronisation, so CUDA graphs capture
-    it: the CUDA slow twin of `fused_moe` (`triton_ops` off), at E/k times the routed FLOPs."""
+    it: the CUDA slow twin of `fused_moe` (`triton_ops` off), at E/k times the routed FLOPs.
+    MXFP4 experts: dequantized one at a time (one expert's weights in the dtype at a time)."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     ids = topk_ids.long()
     for e in range(w13.shape[0]):
         weight = (topk_weights.float() * (ids == e)).sum(dim=-1, keepdim=True)
-        out += expert_mlp(hidden, w13, w2, e, act).float() * weight
+        out += expert_mlp(hidden, w13, w2, e, act, scales).float() * weight
     return out.to(hidden.dtype)
 
 
@@ -166,15 +189,91 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, d
     return (w.float() * full).to(dtype)
 
 
-def _check_args(hidden, w13, w2, topk_weights, topk_ids) -> None:
+MXFP4_GROUP = 32  # weight elements per e8m0 scale (along the depth)
+# The FP4 E2M1 codes' values, by code: sign bit 3, then 2 exponent bits and 1 mantissa bit.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+# The kernels' bit layout of one 32-bit word of a group (`pack_mxfp4`): word q holds the codes of
+# elements 4(n + 4h) + q for n = 0..3, h = 0, 1 (its "pair" n: two elements 16 apart), each code's
+# 3 magnitude bits (mantissa lowest) from a base bit and its sign bit apart, at
+# (base, sign) for h = 0; h = 1 is 16 bits higher. Pairs 0 and 1 sit where one shift (0, 3) and
+# one mask put them as two fp16s (magnitudes at 9..11, signs at 15: `_e2m1_pair`), pairs 2 and 3
+# in the bits left (a shift each for the magnitudes and the signs): 11 integer operations a word.
+_MXFP4_BITS = ((9, 15), (6, 12), (0, 13), (3, 14))
+
+
+def pack_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's MXFP4 blocks [..., G, 16] uint8 (byte j of a group: element 2j in its low
+    nibble, 2j+1 in its high one) in the kernels' layout [..., G*16] uint8: a group's 16 bytes
+    are four little-endian 32-bit words, word q holding elements 4n + q and 16 + 4n + q (n =
+    0..3) with their bits placed as `_MXFP4_BITS` says, so that the kernels decode each pair
+    into two fp16s with one to four integer operations (`_e2m1_pair`)."""
+    if blocks.dtype != torch.uint8 or blocks.shape[-1] != MXFP4_GROUP // 2:
+        raise ValueError(f"MXFP4 blocks must be uint8 [..., G, 16], got {blocks.dtype} {tuple(blocks.shape)}")
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., G, 32] in element order
+    codes = codes.unflatten(-1, (2, 4, 4))  # [..., G, h, n, q]: element 16h + 4n + q
+    words = torch.zeros(codes.shape[:-3] + (4,), dtype=torch.long, device=blocks.device)  # [..., G, q]
+    for n, (base, sign) in enumerate(_MXFP4_BITS):
+        for h in range(2):
+            c = codes[..., h, n, :]
+            words |= ((c & 7) << (base + 16 * h)) | ((c >> 3) << (sign + 16 * h))
+    byte = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1)  # little-endian
+    return byte.to(torch.uint8).flatten(-3)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Packed codes [..., K/2] (`pack_mxfp4`'s layout) and e8m0 scales [..., K/32] uint8 -> the
+    weights [..., K] in `dtype`: code value * 2^(scale - 127), exact in bf16 and fp32."""
+    byte = packed.unflatten(-1, (-1, 4, 4)).long()  # [..., G, word q, byte]
+    words = byte[..., 0] | (byte[..., 1] << 8) | (byte[..., 2] << 16) | (byte[..., 3] << 24)
+    codes = torch.empty(words.shape[:-1] + (2, 4, 4), dtype=torch.long, device=packed.device)
+    for n, (base, sign) in enumerate(_MXFP4_BITS):
+        for h in range(2):
+            codes[..., h, n, :] = ((words >> (base + 16 * h)) & 7) | (((words >> (sign + 16 * h)) & 1) << 3)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    values = table[codes.flatten(-3)]  # [..., G, 32] in element order
+    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1).float())
+    return values.flatten(-2).to(dtype)
+
+
+@dataclass(frozen=True)
+class Mxfp4Scales:
+    """The e8m0 scales of MXFP4 experts: w13 [E, 2I, H/32] and w2 [E, H, I/32] uint8, one per
+    32 consecutive elements of a weight row (2^(s - 127)). The weights that go with them are
+    packed uint8 w13 [E, 2I, H/2] and w2 [E, H, I/2] in `pack_mxfp4`'s layout: half a byte per
+    element, and a scale byte per 32, instead of two bytes per element in bf16."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+    def expert(
+        self, w13: torch.Tensor, w2: torch.Tensor, e: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's weights [2I, H] and [H, I] in `dtype`."""
+        return dequantize_mxfp4(w13[e], self.w13[e], dtype), dequantize_mxfp4(w2[e], self.w2[e], dtype)
+
+    def dequantized(self, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every expert's weights [E, 2I, H] and [E, H, I] in `dtype`."""
+        return dequantize_mxfp4(w13, self.w13, dtype), dequantize_mxfp4(w2, self.w2, dtype)
+
+
+def _packing(scales: ExpertScales | Mxfp4Scales | None) -> int:
+    """Weight elements per stored element along the depth: 2 for MXFP4, else 1."""
+    return 2 if isinstance(scales, Mxfp4Scales) else 1
+
+
+def _check_args(hidden, w13, w2, topk_weights, topk_ids, packing: int = 1) -> None:
+    """Shapes; `packing`: weight elements per stored element along the depth (MXFP4: 2)."""
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError("fused_moe needs hidden [T, H], w13 [E, 2*I, H], w2 [E, H, I]")
     T, H = hidden.shape
     E, two_i, h13 = w13.shape
-    if h13 != H or two_i % 2 or w2.shape != (E, H, two_i // 2):
+    if h13 * packing != H or two_i % 2 or w2.shape != (E, H, two_i // 2 // packing) or (two_i // 2) % packing:
+        layout = "w13 [E, 2*I, H], w2 [E, H, I]" if packing == 1 else "MXFP4: w13 [E, 2*I, H/2], w2 [E, H, I/2]"
         raise ValueError(
             f"fused_moe: hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not fit "
-            "(w13 [E, 2*I, H], w2 [E, H, I])"
+            f"({layout})"
         )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
         raise ValueError(
@@ -334,6 +433,10 @@ TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
     (4096, 7168, 8, 2): (MoEConfig(1, 8, 512, 4, 3), MoEConfig(1, 64, 128, 8, 4)),  # 172.5 us (was 178.4)
 }
 
+# The same for MXFP4 experts (`Mxfp4Scales`), whose tiles are a quarter of bf16's bytes: measured
+# with `python benchmarks/moe.py --tune --mxfp4`. None measured yet: the fallback's MXFP4 rule.
+TUNED_MXFP4: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {}
+
 DECODE_MAX_PAIRS = 64  # untuned buckets: T*k at most this takes the decode path
 
 
@@ -341,14 +444,19 @@ def _bucket(T: int) -> int:
     return triton.next_power_of_2(max(T, 1))
 
 
-def _fallback_config(T: int, k: int, E: int, N: int, decode: bool) -> MoEConfig:
+def _fallback_config(T: int, k: int, E: int, N: int, decode: bool, mxfp4: bool = False) -> MoEConfig:
     """Block sizes for an untuned GEMM with N output columns. Under the interpreter: the
-    smallest tiles tl.dot takes. Decode: 128 deep per program (16-byte loads on 4 warps) and
-    the widest BLOCK_N that still gives ~512 programs, so a batch of one keeps every SM
-    streaming weights. Grouped: BLOCK_M near the mean rows per expert (T*k/E), so sparse
-    batches pad little."""
+    smallest tiles (MXFP4: one 32-element group deep, grouped 128). Decode: 128 deep per
+    program (16-byte loads on 4 warps) and the widest BLOCK_N that still gives ~512 programs,
+    so a batch of one keeps every SM streaming weights. MXFP4 decode: 512 deep (256 bytes a
+    row) and 32 rows from ~256 programs on: two rows a thread share each activation's
+    conversion (4.5-5 instructions an element in the loop of the sm_90 SASS: counted, not timed).
+    Grouped: BLOCK_M near the mean rows per expert (T*k/E), so sparse batches pad little."""
     if INTERPRET:
-        return MoEConfig(16, 16, 16, 1, 1) if not decode else MoEConfig(1, 16, 32, 1, 1)
+        return MoEConfig(1, 16, 32, 1, 1) if decode else MoEConfig(16, 16, 128 if mxfp4 else 16, 1, 1)
+    if decode and mxfp4:
+        block_n = 32 if T * k * triton.cdiv(N, 32) >= 256 else 16
+        return MoEConfig(block_m=1, block_n=block_n, block_k=512, num_warps=4, num_stages=3)
     if decode:
         block_n = next((n for n in (64, 32) if T * k * triton.cdiv(N, n) >= 512), 16)
         return MoEConfig(block_m=1, block_n=block_n, block_k=128, num_warps=4, num_stages=3)
@@ -374,12 +482,16 @@ def _path_of(configs: tuple[MoEConfig, MoEConfig]) -> str:
     return "decode" if configs[0].block_m == 1 else "grouped"
 
 
-def get_configs(H: int, inter: int, E: int, T: int, k: int, path: str | None = None) -> tuple[MoEConfig, MoEConfig]:
+def get_configs(
+    H: int, inter: int, E: int, T: int, k: int, path: str | None = None, mxfp4: bool = False
+) -> tuple[MoEConfig, MoEConfig]:
     """The (gate_up, down) launch parameters of a shape at T tokens on `path` (None: the path
     the table's entry for T's bucket measured fastest, else the T*k rule): the entry of the
-    nearest measured bucket on that path, else the fallback. Decode configs have block_m 1."""
+    nearest measured bucket on that path, else the fallback. Decode configs have block_m 1.
+    `mxfp4`: MXFP4 experts' (`TUNED_MXFP4`, the fallback's MXFP4 rule)."""
     bucket = _bucket(T)
-    measured = {b: cfgs for (h, i, e, b), cfgs in TUNED.items() if (h, i, e) == (H, inter, E)}
+    table = TUNED_MXFP4 if mxfp4 else TUNED
+    measured = {b: cfgs for (h, i, e, b), cfgs in table.items() if (h, i, e) == (H, inter, E)}
     if path is None:
         exact = measured.get(bucket)
         path = _path_of(exact) if exact else ("decode" if T * k <= DECODE_MAX_PAIRS else "grouped")
@@ -388,7 +500,7 @@ def get_configs(H: int, inter: int, E: int, T: int, k: int, path: str | None = N
         nearest = min(on_path, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
         return measured[nearest]
     decode = path == "decode"
-    return _fallback_config(T, k, E, inter, decode), _fallback_config(T, k, E, H, decode)
+    return _fallback_config(T, k, E, inter, decode, mxfp4), _fallback_config(T, k, E, H, decode, mxfp4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -542,6 +654,36 @@ def _block_of(pid, num_m, n_blocks, GROUP_M: tl.constexpr):
     return first + (pid % in_group) % rows, (pid % in_group) // rows
 
 
+@triton.jit
+def _grouped_gate_up_store(
+    gate, up, out_ptr, b_ptr, e, I, cols, col_ok, pair, valid, stride_o, stride_be,
+    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+):  # fmt: skip
+    """The grouped gate_up kernels' epilogue (bf16 / FP8 and MXFP4 weights): gpt-oss's biases,
+    the activation, the rows of the sorted pairs stored."""
+    if ACT == 1:  # gpt-oss: the products' biases
+        gate += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(b_ptr + e * stride_be + I + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y = _activation(gate, up, out_ptr.dtype.element_ty, ACT, ALPHA, LIMIT)
+    o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_o + cols[None, :]
+    tl.store(o_ptrs, y, mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _grouped_down_store(
+    acc, planes_ptr, topk_w_ptr, b_ptr, e, H, cols, col_ok, pair64, valid, stride_plane, stride_be,
+    dtype: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """The grouped down kernels' epilogue: the bias (gpt-oss), the product rounded to the dtype,
+    times the routing weight, into pair t*k + j's plane j, row t."""
+    if HAS_BIAS:  # gpt-oss: added before the product is rounded, as cuBLAS's epilogue adds it
+        acc += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    weight = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0)
+    y = acc.to(dtype).to(tl.float32) * weight[:, None]  # the down product in the dtype, as the reference
+    row = (pair64 % K) * stride_plane + (pair64 // K) * H
+    tl.store(planes_ptr + row[:, None] + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
 def _grouped_gate_up_kernel(
     x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, s_ptr, b_ptr,
@@ -590,12 +732,9 @@ def _grouped_gate_up_kernel(
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if ACT == 1:  # gpt-oss: the products' biases
-        gate += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        up += tl.load(b_ptr + e * stride_be + I + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    y = _activation(gate, up, out_ptr.dtype.element_ty, ACT, ALPHA, LIMIT)
-    o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_o + cols[None, :]
-    tl.store(o_ptrs, y, mask=valid[:, None] & col_ok[None, :])
+    _grouped_gate_up_store(
+        gate, up, out_ptr, b_ptr, e, I, cols, col_ok, pair, valid, stride_o, stride_be, ACT, ALPHA, LIMIT
+    )
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
@@ -634,17 +773,28 @@ def _grouped_down_kernel(
             acc = _dot(a, w, acc, F32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    dtype = a_ptr.dtype.element_ty
-    if HAS_BIAS:  # gpt-oss: added before the product is rounded, as cuBLAS's epilogue adds it
-        acc += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    weight = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0)
-    y = acc.to(dtype).to(tl.float32) * weight[:, None]  # the down product in the dtype, as the reference
-    row = (pair64 % K) * stride_plane + (pair64 // K) * H
-    tl.store(planes_ptr + row[:, None] + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
+    _grouped_down_store(
+        acc, planes_ptr, topk_w_ptr, b_ptr, e, H, cols, col_ok, pair64, valid, stride_plane, stride_be,
+        a_ptr.dtype.element_ty, K, HAS_BIAS,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
 # decode path
+
+
+@triton.jit
+def _decode_gate_up_store(
+    gate, up, out_ptr, b_ptr, e, I, cols, col_ok, p, stride_o, stride_be,
+    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+):  # fmt: skip
+    """The decode gate_up kernels' epilogue (bf16 / FP8 and MXFP4 weights): gpt-oss's biases,
+    the activation, pair p's output columns stored."""
+    if ACT == 1:  # gpt-oss: the products' biases
+        gate += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+        up += tl.load(b_ptr + e * stride_be + I + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = _activation(gate, up, out_ptr.dtype.element_ty, ACT, ALPHA, LIMIT)
+    tl.store(out_ptr + p * stride_o + cols, y, mask=col_ok)
 
 
 @triton.jit
@@ -687,11 +837,25 @@ def _decode_gate_up_kernel(
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if ACT == 1:  # gpt-oss: the products' biases
-        gate += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
-        up += tl.load(b_ptr + e * stride_be + I + cols, mask=col_ok, other=0.0).to(tl.float32)
-    y = _activation(gate, up, out_ptr.dtype.element_ty, ACT, ALPHA, LIMIT)
-    tl.store(out_ptr + p * stride_o + cols, y, mask=col_ok)
+    _decode_gate_up_store(gate, up, out_ptr, b_ptr, e, I, cols, col_ok, p, stride_o, stride_be, ACT, ALPHA, LIMIT)
+
+
+@triton.jit
+def _decode_down_store(
+    acc, planes_ptr, topk_w_ptr, b_ptr, e, H, cols, col_ok, p, split, split_k, stride_plane, stride_be,
+    dtype: tl.constexpr, K: tl.constexpr, ROUND: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """The decode down kernels' epilogue (bf16 / FP8 and MXFP4 weights): the bias once, in the
+    first split; the product rounded to the dtype (unsplit); times the routing weight, into
+    plane j*split_k + split at row t."""
+    if HAS_BIAS:  # gpt-oss: once, in the first split, before the rounding (cuBLAS's epilogue)
+        bias = tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += tl.where(split == 0, bias, 0.0)
+    if ROUND:
+        acc = acc.to(dtype).to(tl.float32)
+    y = acc * tl.load(topk_w_ptr + p)
+    plane = (p % K) * split_k + split
+    tl.store(planes_ptr + plane * stride_plane + (p // K) * H + cols, y, mask=col_ok)
 
 
 @triton.jit
@@ -730,26 +894,272 @@ def _decode_down_kernel(
             acc += tl.sum(w * a[None, :], axis=1)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if HAS_BIAS:  # gpt-oss: once, in the first split, before the rounding (cuBLAS's epilogue)
-        bias = tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
-        acc += tl.where(split == 0, bias, 0.0)
-    if ROUND:
-        acc = acc.to(a_ptr.dtype.element_ty).to(tl.float32)
-    y = acc * tl.load(topk_w_ptr + p)
-    plane = (p % K) * split_k + split
-    tl.store(planes_ptr + plane * stride_plane + (p // K) * H + cols, y, mask=col_ok)
+    _decode_down_store(
+        acc, planes_ptr, topk_w_ptr, b_ptr, e, H, cols, col_ok, p, split, split_k, stride_plane, stride_be,
+        a_ptr.dtype.element_ty, K, ROUND, HAS_BIAS,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# MXFP4 experts: both paths decode the packed codes in registers
+#
+# A K step of BLOCK_K elements is BLOCK_K / 32 groups of a weight row, each 16 bytes of codes
+# (four 32-bit words in `pack_mxfp4`'s layout) and one e8m0 scale byte. Values are made by bit
+# operations, no table: a code's sign bit goes to fp16's sign bit and its 2 exponent + 1 mantissa
+# bits to fp16's lowest two exponent bits and highest mantissa bit, which is the E2M1 value times
+# 2^-14 (code 1, 0.5, lands on fp16's subnormal 2^-15; fp16 -> fp32 is exact, so no fp32
+# subnormal is ever made and flushing them cannot matter). Two elements come out of a word at
+# once, as its two fp16 halves (`_e2m1_pair`: one to four integer operations). The scale
+# 2^(s - 127) is made times 2^14 (s + 14 in fp32's exponent field), so value * scale is the
+# weight exactly.
+
+
+@triton.jit
+def _e8m0(s):
+    """2^(s - 127) * 2^14 in fp32 for uint8 scales s (exact for s <= 240; larger scales do not
+    occur in weights: 2^113 and up)."""
+    return ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp16_bits(bits):
+    """The fp16 whose bits are the low 16 of int32 `bits`, in fp32."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_pair(w, N: tl.constexpr):
+    """The FP4 E2M1 values, times 2^-14 in fp32, of pair N (0 <= N < 4) of int32 words w in
+    `pack_mxfp4`'s layout: (element 4N + q's, element 16 + 4N + q's). Both come out of one
+    word as two fp16s: magnitude bits at 9..11 and 25..27, sign bits at 15 and 31."""
+    if N == 0:
+        bits = w & -1912566272  # 0x8E008E00 as an int32
+    elif N == 1:
+        bits = (w << 3) & -1912566272
+    elif N == 2:
+        bits = ((w << 9) & 0x0E000E00) | ((w << 2) & -2147450880)  # 0x80008000
+    else:
+        bits = ((w << 6) & 0x0E000E00) | ((w << 1) & -2147450880)
+    return _fp16_bits(bits), _fp16_bits(bits >> 16)
+
+
+@triton.jit
+def _decode_gate_up_mx_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, b_ptr, H, I, stride_x, stride_we, stride_wn, stride_se, stride_sn,
+    stride_o, stride_be, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+):  # fmt: skip
+    """`_decode_gate_up_kernel` on MXFP4 weights (w: the packed codes as int32 words [E, 2I, H/8],
+    s [E, 2I, H/32]): each K step loads a [BLOCK_N, G, 4] tile of words of the gate rows and one
+    of the up rows (G = BLOCK_K / 32 groups, a group's four words one thread's), accumulates
+    each (row, group, word) lane's eight products in fp32, then adds each group's sum times its
+    scale into a [BLOCK_N, G] accumulator, which is summed over G once, after the loop (H is
+    whole groups)."""
+    pdl_start(USE_PDL)  # which rows to read comes from the route kernel
+    G: tl.constexpr = BLOCK_K // 32
+    p = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    token = p // K
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < I
+    gs = tl.arange(0, G)
+    qs = tl.arange(0, 4)
+    words = (gs[:, None] * 4 + qs[None, :])[None]
+    g_ptrs = w_ptr + e * stride_we + rows[:, None, None].to(tl.int64) * stride_wn + words
+    u_ptrs = g_ptrs + I * stride_wn
+    sg_ptrs = s_ptr + e * stride_se + rows[:, None].to(tl.int64) * stride_sn + gs[None, :]
+    su_ptrs = sg_ptrs + I * stride_sn
+    x_ptrs = x_ptr + token * stride_x + gs[:, None] * 32 + qs[None, :]  # element q of each group; + 4n: 4n + q
+    gate = tl.zeros([BLOCK_N, G], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, G], dtype=tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=LOOP_STAGES):
+        g_ok = gs < (H - k0) // 32
+        w_ok = row_ok[:, None, None] & g_ok[None, :, None]
+        wg = tl.load(g_ptrs, mask=w_ok, other=0)
+        wu = tl.load(u_ptrs, mask=w_ok, other=0)
+        pg = tl.zeros([BLOCK_N, G, 4], dtype=tl.float32)
+        pu = tl.zeros([BLOCK_N, G, 4], dtype=tl.float32)
+        for n in tl.static_range(4):  # nibbles n and n + 4: elements 4n + q and 16 + 4n + q
+            x_lo = tl.load(x_ptrs + 4 * n, mask=g_ok[:, None], other=0.0).to(tl.float32)[None]
+            x_hi = tl.load(x_ptrs + 16 + 4 * n, mask=g_ok[:, None], other=0.0).to(tl.float32)[None]
+            lo, hi = _e2m1_pair(wg, n)
+            pg += lo * x_lo  # one fma an element: products added one by one
+            pg += hi * x_hi
+            lo, hi = _e2m1_pair(wu, n)
+            pu += lo * x_lo
+            pu += hi * x_hi
+        s_ok = row_ok[:, None] & g_ok[None, :]
+        gate += tl.sum(pg, axis=2) * _e8m0(tl.load(sg_ptrs, mask=s_ok, other=0))
+        up += tl.sum(pu, axis=2) * _e8m0(tl.load(su_ptrs, mask=s_ok, other=0))
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K // 8
+        u_ptrs += BLOCK_K // 8
+        sg_ptrs += G
+        su_ptrs += G
+    gate_n = tl.sum(gate, axis=1)
+    up_n = tl.sum(up, axis=1)
+    _decode_gate_up_store(gate_n, up_n, out_ptr, b_ptr, e, I, rows, row_ok, p, stride_o, stride_be, ACT, ALPHA, LIMIT)
+
+
+@triton.jit
+def _decode_down_mx_kernel(
+    a_ptr, w_ptr, s_ptr, planes_ptr, ids_ptr, topk_w_ptr, b_ptr, H, I, k_split, split_k, stride_a, stride_we,
+    stride_wn, stride_se, stride_sn, stride_plane, stride_be, K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROUND: tl.constexpr, LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """`_decode_down_kernel` on MXFP4 weights (w: int32 words [E, H, I/8], s [E, H, I/32]), K
+    steps as `_decode_gate_up_mx_kernel`'s; each split's depth is whole BLOCK_K steps (groups)."""
+    pdl_start(USE_PDL)  # the expert ids and act come from the kernels before
+    G: tl.constexpr = BLOCK_K // 32
+    p = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(2)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    gs = tl.arange(0, G)
+    qs = tl.arange(0, 4)
+    k_start = tl.multiple_of(split * k_split, BLOCK_K)  # whole steps: the words' loads stay 16 bytes wide
+    k_end = tl.minimum(k_start + k_split, I)
+    words = (gs[:, None] * 4 + qs[None, :])[None]
+    w_ptrs = w_ptr + e * stride_we + cols[:, None, None].to(tl.int64) * stride_wn + k_start // 8 + words
+    s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + k_start // 32 + gs[None, :]
+    a_ptrs = a_ptr + p * stride_a + k_start + gs[:, None] * 32 + qs[None, :]
+    acc = tl.zeros([BLOCK_N, G], dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
+        g_ok = gs < (k_end - k0) // 32
+        w = tl.load(w_ptrs, mask=col_ok[:, None, None] & g_ok[None, :, None], other=0)
+        part = tl.zeros([BLOCK_N, G, 4], dtype=tl.float32)
+        for n in tl.static_range(4):
+            a_lo = tl.load(a_ptrs + 4 * n, mask=g_ok[:, None], other=0.0).to(tl.float32)[None]
+            a_hi = tl.load(a_ptrs + 16 + 4 * n, mask=g_ok[:, None], other=0.0).to(tl.float32)[None]
+            lo, hi = _e2m1_pair(w, n)
+            part += lo * a_lo
+            part += hi * a_hi
+        scale = _e8m0(tl.load(s_ptrs, mask=col_ok[:, None] & g_ok[None, :], other=0))
+        acc += tl.sum(part, axis=2) * scale
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 8
+        s_ptrs += G
+    _decode_down_store(
+        tl.sum(acc, axis=1), planes_ptr, topk_w_ptr, b_ptr, e, H, cols, col_ok, p, split, split_k, stride_plane, stride_be,
+        a_ptr.dtype.element_ty, K, ROUND, HAS_BIAS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _mx_dot(x_ptrs, x_ok, w, scale, acc, F32: tl.constexpr):
+    """acc + one K step's product on MXFP4 weights, for the grouped kernels: w [BLOCK_K/8,
+    BLOCK_N] int32 words (row r: word r % 4 of group r // 4 of the step) and scale their
+    groups' `_e8m0` values; each of the words' eight elements (`_e2m1_pair`) dequantized in
+    registers to the activations' dtype (exact: an MXFP4 weight has two significant bits) and
+    multiplied in one dot of BLOCK_K/8 deep with its activations: x_ptrs [BLOCK_M, BLOCK_K/8]
+    points at element q of each word's group (+ 4n: element 4n + q)."""
+    for n in tl.static_range(4):
+        lo, hi = _e2m1_pair(w, n)
+        x_lo = tl.load(x_ptrs + 4 * n, mask=x_ok, other=0.0)
+        x_hi = tl.load(x_ptrs + 16 + 4 * n, mask=x_ok, other=0.0)
+        acc = _dot(x_lo, (lo * scale).to(x_lo.dtype), acc, F32)
+        acc = _dot(x_hi, (hi * scale).to(x_hi.dtype), acc, F32)
+    return acc
+
+
+@triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
+def _grouped_gate_up_mx_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, b_ptr,
+    H, I, num_pairs, num_m, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_o, stride_be,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, F32: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+):  # fmt: skip
+    """`_grouped_gate_up_kernel` on MXFP4 weights (as `_decode_gate_up_mx_kernel`'s: int32
+    words [E, 2I, H/8]): each K step's weight tiles are dequantized in registers (`_mx_dot`,
+    BLOCK_K >= 128 so that its dots are 16 deep); H is whole groups."""
+    b, n = _block_of(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if b * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    WORDS: tl.constexpr = BLOCK_K // 8
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + rows)
+    valid = pair < num_pairs
+    token = (pair // K).to(tl.int64)
+    cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    r = tl.arange(0, WORDS)  # the step's words of a weight row: word r % 4 of group r // 4
+    x_ptrs = x_ptr + token[:, None] * stride_x + ((r // 4) * 32 + r % 4)[None, :]
+    g_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + r[:, None]
+    u_ptrs = g_ptrs + I * stride_wn
+    sg_ptrs = s_ptr + e * stride_se + cols[None, :].to(tl.int64) * stride_sn + (r // 4)[:, None]
+    su_ptrs = sg_ptrs + I * stride_sn
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        r_ok = r < (H - k0) // 8
+        w_ok = r_ok[:, None] & col_ok[None, :]
+        x_ok = valid[:, None] & r_ok[None, :]
+        sg = _e8m0(tl.load(sg_ptrs, mask=w_ok, other=0))
+        su = _e8m0(tl.load(su_ptrs, mask=w_ok, other=0))
+        gate = _mx_dot(x_ptrs, x_ok, tl.load(g_ptrs, mask=w_ok, other=0), sg, gate, F32)
+        up = _mx_dot(x_ptrs, x_ok, tl.load(u_ptrs, mask=w_ok, other=0), su, up, F32)
+        x_ptrs += BLOCK_K
+        g_ptrs += WORDS
+        u_ptrs += WORDS
+        sg_ptrs += BLOCK_K // 32
+        su_ptrs += BLOCK_K // 32
+    _grouped_gate_up_store(
+        gate, up, out_ptr, b_ptr, e, I, cols, col_ok, pair, valid, stride_o, stride_be, ACT, ALPHA, LIMIT
+    )
+
+
+@triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
+def _grouped_down_mx_kernel(
+    a_ptr, w_ptr, s_ptr, planes_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, b_ptr,
+    H, I, num_pairs, num_m, stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_plane, stride_be,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, F32: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """`_grouped_down_kernel` on MXFP4 weights (as `_grouped_gate_up_mx_kernel`'s); I is whole groups."""
+    b, n = _block_of(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    if b * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    WORDS: tl.constexpr = BLOCK_K // 8
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + rows)
+    valid = pair < num_pairs
+    pair64 = pair.to(tl.int64)
+    cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    r = tl.arange(0, WORDS)
+    a_ptrs = a_ptr + pair64[:, None] * stride_a + ((r // 4) * 32 + r % 4)[None, :]
+    w_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + r[:, None]
+    s_ptrs = s_ptr + e * stride_se + cols[None, :].to(tl.int64) * stride_sn + (r // 4)[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        r_ok = r < (I - k0) // 8
+        w_ok = r_ok[:, None] & col_ok[None, :]
+        scale = _e8m0(tl.load(s_ptrs, mask=w_ok, other=0))
+        w = tl.load(w_ptrs, mask=w_ok, other=0)
+        acc = _mx_dot(a_ptrs, valid[:, None] & r_ok[None, :], w, scale, acc, F32)
+        a_ptrs += BLOCK_K
+        w_ptrs += WORDS
+        s_ptrs += BLOCK_K // 32
+    _grouped_down_store(
+        acc, planes_ptr, topk_w_ptr, b_ptr, e, H, cols, col_ok, pair64, valid, stride_plane, stride_be,
+        a_ptr.dtype.element_ty, K, HAS_BIAS,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
 # fused_moe
 
 
-def _activation_args(w13: torch.Tensor, act: ClampedSwiGLU | None) -> tuple:
+def _activation_args(w13: torch.Tensor, act: ClampedSwiGLU | None, H: int) -> tuple:
     """(b13, b2, the kernels' activation constexprs) for the launches; without biases, w13
     stands in for the unread bias pointers."""
     if act is None:
         return w13, w13, {"gate_up": {"ACT": 0, "ALPHA": 0.0, "LIMIT": 0.0}, "down": {"HAS_BIAS": False}}
-    E, two_i, H = w13.shape
+    E, two_i, _ = w13.shape
     if tuple(act.b13.shape) != (E, two_i) or (act.b2 is not None and tuple(act.b2.shape) != (E, H)):
         raise ValueError(f"fused_moe: biases b13 [E, 2I] = {(E, two_i)} and b2 [E, H] = {(E, H)} expected")
     if not act.b13.is_contiguous() or (act.b2 is not None and not act.b2.is_contiguous()):
@@ -775,6 +1185,8 @@ def _k_step(block_k: int, scale_k: int, depth: int) -> int:
 def _scale_args(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None) -> tuple:
     """(w13 scales, w2 scales, SCALE_N, SCALE_K of w13, of w2) for the kernels; without FP8
     weights, w13 stands in for the unread scale pointers."""
+    if torch.uint8 in (w13.dtype, w2.dtype):
+        raise ValueError("fused_moe: packed uint8 (MXFP4) experts need their Mxfp4Scales")
     fp8 = w13.dtype == FP8_DTYPE
     if fp8 != (w2.dtype == FP8_DTYPE) or fp8 != (scales is not None):
         raise ValueError("fused_moe: FP8 experts need both weights in float8_e4m3fn and their scales, and only they")
@@ -796,6 +1208,89 @@ def _scale_args(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None
     return scales.w13, scales.w2, bn, bk13, bk2
 
 
+def _check_mxfp4(w13: torch.Tensor, w2: torch.Tensor, scales: Mxfp4Scales) -> None:
+    """MXFP4 experts: packed uint8 weights and uint8 scales of the shapes `Mxfp4Scales` says."""
+    E, two_i, half_h = w13.shape
+    H, half_i = w2.shape[1], w2.shape[2]
+    if w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
+        raise ValueError(f"fused_moe: MXFP4 experts are packed uint8, got {w13.dtype} and {w2.dtype}")
+    for name, t, shape in (
+        ("w13", scales.w13, (E, two_i, half_h * 2 // MXFP4_GROUP)),
+        ("w2", scales.w2, (E, H, half_i * 2 // MXFP4_GROUP)),
+    ):
+        if tuple(t.shape) != shape or t.dtype != torch.uint8 or not t.is_contiguous():
+            raise ValueError(
+                f"fused_moe: MXFP4 {name} scales must be contiguous uint8 {shape}, got {tuple(t.shape)} {t.dtype}"
+            )
+    if (half_h * 2) % MXFP4_GROUP or (half_i * 2) % MXFP4_GROUP:
+        raise ValueError(f"fused_moe: MXFP4 experts need H ({half_h * 2}) and I ({half_i * 2}) in whole 32-groups")
+
+
+def _mx_configs(cfg13: MoEConfig, cfg2: MoEConfig, path: str, dtype: torch.dtype) -> tuple[MoEConfig, MoEConfig]:
+    """MXFP4 launch parameters: K steps of whole 32-element groups, on the grouped path at
+    least 128 deep (its dots are an eighth of the step deep: tl.dot takes 16 and up) and as
+    deep in bytes of activations as bf16's (`_for_dtype`); the decode path's as given (one row
+    of activations; its weights half a byte an element whatever the dtype)."""
+    least = 8 * 16 if path == "grouped" else MXFP4_GROUP
+    out = []
+    for c in (cfg13, cfg2):
+        if path == "grouped":
+            c = _for_dtype(c, dtype)
+        c = replace(c, block_k=max(c.block_k, least))
+        if c.block_k & (c.block_k - 1):
+            raise ValueError(f"fused_moe: MXFP4 K steps must be a power of two of at least 32, got {c.block_k}")
+        out.append(c)
+    return out[0], out[1]
+
+
+def _mxfp4_partials(hidden, w13, w2, scales: Mxfp4Scales, ids, weights, cfg13, cfg2, path, pdl, b13, b2, kinds):
+    """`fused_moe_partials` on MXFP4 experts (checked by the caller): the MXFP4 kernels' launches."""
+    T, H = hidden.shape
+    E, k = w13.shape[0], ids.shape[1]
+    inter = w2.shape[2] * 2
+    pairs = T * k
+    s13, s2 = scales.w13, scales.w2
+    split = cfg2.split_k if path == "decode" else 1
+    planes = torch.empty(k * split, T, H, dtype=torch.float32, device=hidden.device)
+    if T == 0:
+        return planes
+    out13 = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)  # the activations
+    w13, w2 = w13.view(torch.int32), w2.view(torch.int32)  # the codes as 32-bit words (`pack_mxfp4`)
+    if path == "decode":
+        _decode_gate_up_mx_kernel[(pairs, triton.cdiv(inter, cfg13.block_n))](
+            hidden, w13, s13, out13, ids, b13, H, inter, hidden.stride(0), w13.stride(0), w13.stride(1),
+            s13.stride(0), s13.stride(1), out13.stride(0), b13.stride(0), K=k, BLOCK_N=cfg13.block_n,
+            BLOCK_K=cfg13.block_k, LOOP_STAGES=cfg13.num_stages, **kinds["gate_up"], num_warps=cfg13.num_warps,
+            num_stages=cfg13.num_stages, **launch_options(hidden.device, pdl),
+        )  # fmt: skip
+        k_split = triton.cdiv(triton.cdiv(inter, split), cfg2.block_k) * cfg2.block_k  # whole K steps
+        _decode_down_mx_kernel[(pairs, triton.cdiv(H, cfg2.block_n), split)](
+            out13, w2, s2, planes, ids, weights, b2, H, inter, k_split, split, out13.stride(0), w2.stride(0),
+            w2.stride(1), s2.stride(0), s2.stride(1), T * H, b2.stride(0), K=k, BLOCK_N=cfg2.block_n,
+            BLOCK_K=cfg2.block_k, ROUND=split == 1, LOOP_STAGES=cfg2.num_stages, **kinds["down"],
+            num_warps=cfg2.num_warps, num_stages=cfg2.num_stages, **launch_options(hidden.device, pdl),
+        )  # fmt: skip
+        return planes
+    f32 = hidden.dtype == torch.float32 or INTERPRET  # see _dot
+    al13 = align(ids, E, cfg13.block_m)
+    al2 = al13 if cfg2.block_m == cfg13.block_m else align(ids, E, cfg2.block_m)
+    num_m = al13.block_expert.numel()
+    _grouped_gate_up_mx_kernel[(num_m * triton.cdiv(inter, cfg13.block_n),)](
+        hidden, w13, s13, out13, al13.sorted_pairs, al13.block_expert, al13.num_padded, b13,
+        H, inter, pairs, num_m, hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+        out13.stride(0), b13.stride(0), K=k, BLOCK_M=cfg13.block_m, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k,
+        GROUP_M=cfg13.group_m, F32=f32, **kinds["gate_up"], num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
+    )  # fmt: skip
+    num_m = al2.block_expert.numel()
+    _grouped_down_mx_kernel[(num_m * triton.cdiv(H, cfg2.block_n),)](
+        out13, w2, s2, planes, weights, al2.sorted_pairs, al2.block_expert, al2.num_padded, b2,
+        H, inter, pairs, num_m, out13.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), T * H,
+        b2.stride(0), K=k, BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m,
+        F32=f32, **kinds["down"], num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+    )  # fmt: skip
+    return planes
+
+
 def fused_moe_partials(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -805,7 +1300,7 @@ def fused_moe_partials(
     configs: tuple[MoEConfig, MoEConfig] | None = None,
     path: str | None = None,
     pdl: bool = True,
-    scales: ExpertScales | None = None,
+    scales: ExpertScales | Mxfp4Scales | None = None,
     act: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """The terms of `fused_moe_reference`'s sum, unsummed: fp32 planes [P, T, H] (dense), plane
@@ -819,21 +1314,33 @@ def fused_moe_partials(
     the activations by the e4m3 values and scales the fp32 partial per output as it adds it, so
     the weights enter exactly (w * scale, not rounded to hidden's dtype): `fused_moe_reference`
     on `scales.dequantized(w13, w2, torch.float32)` up to summation order and the products' own
-    rounding to the dtype. `act`: gpt-oss's experts (biases added before each product is rounded,
-    the clamped SwiGLU)."""
+    rounding to the dtype. MXFP4 w13 and w2 (packed uint8 with `Mxfp4Scales`): the MXFP4 kernels
+    decode the codes and scales in registers (section above), so the weights enter exactly:
+    `fused_moe_reference` with the same `scales` (which dequantizes them) up to summation order.
+    `act`: gpt-oss's experts (biases added before each product is rounded, the clamped SwiGLU)."""
     _check_device(hidden, "fused_moe")
-    _check_args(hidden, w13, w2, topk_weights, topk_ids)
-    s13, s2, scale_n, sk13, sk2 = _scale_args(w13, w2, scales)
-    b13, b2, kinds = _activation_args(w13, act)
+    mx = isinstance(scales, Mxfp4Scales)
+    _check_args(hidden, w13, w2, topk_weights, topk_ids, _packing(scales))
+    if mx:
+        _check_mxfp4(w13, w2, scales)
+    else:
+        s13, s2, scale_n, sk13, sk2 = _scale_args(w13, w2, scales)
+    T, H = hidden.shape
+    b13, b2, kinds = _activation_args(w13, act, H)
     if hidden.stride(1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
         raise ValueError("fused_moe needs hidden with a dense last dim and contiguous w13, w2")
-    T, H = hidden.shape
     E, _, _ = w13.shape
-    inter = w2.shape[2]
+    inter = w2.shape[2] * _packing(scales)
     k = topk_ids.shape[1]
     pairs = T * k
     if path not in (None, "decode", "grouped"):
         raise ValueError(f"fused_moe: path {path!r} is not 'decode' or 'grouped'")
+    if mx:
+        cfg13, cfg2 = configs or get_configs(H, inter, E, T, k, path, mxfp4=True)
+        path = path or _path_of((cfg13, cfg2))
+        cfg13, cfg2 = _mx_configs(cfg13, cfg2, path, hidden.dtype)
+        ids, weights = topk_ids.to(torch.int32).contiguous(), topk_weights.to(torch.float32).contiguous()
+        return _mxfp4_partials(hidden, w13, w2, scales, ids, weights, cfg13, cfg2, path, pdl, b13, b2, kinds)
     cfg13, cfg2 = configs or (_for_dtype(c, hidden.dtype) for c in get_configs(H, inter, E, T, k, path))
     path = path or _path_of((cfg13, cfg2))
     if scales is not None:  # every K step within one scale block
@@ -897,12 +1404,12 @@ def fused_moe(
     path: str | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = True,
-    scales: ExpertScales | None = None,
+    scales: ExpertScales | Mxfp4Scales | None = None,
     act: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """As `fused_moe_reference` ([T, H] in hidden's dtype, into `out` when given: a TP rank's
     reduce slot), in Triton: `fused_moe_partials`' planes added in plane order in fp32 and
-    rounded once, as the reference rounds its fp32 sum once. FP8 experts: as there."""
+    rounded once, as the reference rounds its fp32 sum once. FP8 and MXFP4 experts: as there."""
     planes = fused_moe_partials(hidden, w13, w2, topk_weights, topk_ids, configs, path, pdl, scales, act)
     if out is None:
         out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)

@@ -8,6 +8,7 @@ import json
 
 import torch
 
+from nanoserve.models import mxfp4
 from nanoserve.models.loader import dummy_checkpoint
 from nanoserve.models.registry import BUNDLED_DIR, resolve_model
 
@@ -25,7 +26,9 @@ def hf_dummy_model(name: str, seed: int, device: torch.device | str, dtype: torc
     device = torch.device(device)
     with torch.device(device):  # built on the device so that buffers (rotary) are right
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = _as_hf_layout(dict(dummy_checkpoint(resolve_model(name).config, seed, device, dtype)), model)
+    # gpt-oss's dummy experts come as MXFP4 blocks and scales: transformers gets them dequantized
+    dummy = mxfp4.dequantized(dummy_checkpoint(resolve_model(name).config, seed, device, dtype), dtype)
+    state = _as_hf_layout(dict(dummy), model)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:

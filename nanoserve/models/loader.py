@@ -8,6 +8,8 @@ once); a missing or unexpected tensor is an error, never silently left random.
 FP8 (nanoserve/models/quantization.py): a checkpoint's quantization_config is accepted or
 refused before the model is built; on CUDA the linears hold FP8 weights and their scales, on
 CPU (or with keep_fp8=False) the weights are dequantized to the compute dtype at load.
+MXFP4 (gpt-oss's experts, nanoserve/models/mxfp4.py): kept packed on every device where
+KernelSwitches.mxfp4_experts is on (NANOSERVE_MXFP4_EXPERTS=1), else (the default) dequantized at load.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from nanoserve.models import mxfp4
 from nanoserve.models import quantization as quant
 from nanoserve.models.decoder import DecoderLayer, DecoderLM
 from nanoserve.models.gemma3 import Gemma3DecoderLayer, text_checkpoint
+from nanoserve.models.gpt_oss import GptOssExperts
 from nanoserve.models.gpt_oss import hf_shapes as gpt_oss_shapes
 from nanoserve.models.layers import ColumnParallelLinear, RowParallelLinear, init_unloaded
 from nanoserve.models.model_config import ModelConfig
@@ -175,10 +178,18 @@ def dummy_checkpoint(cfg: ModelConfig, seed: int, device: torch.device, dtype: t
     A model that scales its embedding (Gemma: by sqrt(hidden_size)) gets an embedding divided by
     that scale, so that its stream starts as other families' do (at full scale the current
     token's own row won the tied logits and outputs looped over 2-5 tokens); with tied
-    embeddings the final norm's gain then makes up for the smaller LM head."""
+    embeddings the final norm's gain then makes up for the smaller LM head.
+
+    A config whose checkpoint is MXFP4 (gpt-oss's bundled ones) gets its experts as random
+    MXFP4 `*_blocks` / `*_scales` (`mxfp4.dummy_pair`), as its checkpoint holds them: the
+    loader keeps them packed or dequantizes them, as it would a real checkpoint's."""
     tied_gain = cfg.embed_scale if (cfg.embed_scale and cfg.tie_word_embeddings) else 1.0
+    mx = mxfp4.is_mxfp4_checkpoint(cfg.hf_config)
     for name, shape in hf_parameter_shapes(cfg).items():
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if mx and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            yield from mxfp4.dummy_pair(name, shape, gen, device)
+            continue
         values = torch.rand(shape, generator=gen, device=device, dtype=torch.float32) * 2 - 1
         if name.endswith("norm.weight"):
             values = 1 + 0.1 * values
@@ -252,7 +263,7 @@ def build_model(
     FP8 weights are dequantized to `dtype` at load (the CPU path and slow twin)."""
     cfg = source.config
     # Refused here, before anything is built or read: nothing is ever half-loaded.
-    mx = mxfp4.is_mxfp4_checkpoint(cfg.hf_config)  # gpt-oss experts, dequantized at load
+    mx = mxfp4.is_mxfp4_checkpoint(cfg.hf_config)  # gpt-oss experts: packed, or dequantized at load
     scheme = None if mx else quant.parse_quantization_config(cfg.hf_config)
     online = quant.online_scheme(quantization)
     if (scheme is not None or mx) and online is not None:
@@ -276,17 +287,22 @@ def build_model(
     # FP8 MoE experts stay e4m3 only where the fused MoE kernels are to run them (KernelSwitches.fp8_experts),
     # else they are dequantized at load while the linears keep FP8.
     keep_experts = keep and (switches or KernelSwitches()).fp8_experts
+    packed = mx and _keeps_mxfp4(cfg, tp, switches or KernelSwitches())
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        # FP8 linears are built on the meta device first and allocated once converted: the
-        # model never takes its high-precision size on the device (a 70B model would not fit).
-        with torch.device("meta" if fp8 else device):
+        # FP8 linears and MXFP4 experts are built on the meta device first and allocated once
+        # converted: the model never takes its high-precision size on the device (a 70B model,
+        # or gpt-oss-120b's experts in bf16, would not fit).
+        with torch.device("meta" if fp8 or packed else device):
             layer_class = _layer_class(cfg)
             model = DecoderLM(cfg, max_positions=max_positions, tp=tp, switches=switches, layer_class=layer_class)
             if fp8:
                 _use_fp8(model, scheme or online, keep_experts)
-        if fp8:
+            for module in model.modules() if packed else ():
+                if isinstance(module, GptOssExperts):
+                    module.use_mxfp4()
+        if fp8 or packed:
             _materialize(model, device)
             init_unloaded(model)
     finally:
@@ -299,7 +315,7 @@ def build_model(
         checkpoint = gguf_checkpoint(source.path, cfg)
     else:
         raise ValueError(f"model {cfg.name!r} is a bundled config without weights: use load_format='dummy'")
-    if mx and load_format != "dummy":
+    if mx and not packed:
         checkpoint = mxfp4.dequantized(checkpoint, dtype)
     if cfg.model_type == "gemma3_text":
         checkpoint = text_checkpoint(checkpoint)
@@ -317,6 +333,23 @@ def build_model(
     if cfg.linear is not None:
         log.info("Gated DeltaNet prefill: %s", prefill_path(device, dtype, switches or KernelSwitches()))
     return model.eval()
+
+
+def _keeps_mxfp4(cfg: ModelConfig, tp: TPGroup, switches: KernelSwitches) -> bool:
+    """Whether an MXFP4 checkpoint's experts stay packed (KernelSwitches.mxfp4_experts): where
+    the switch is on and the widths are whole 32-element groups, else they are dequantized at
+    load (said in the log: the slow path, not an error)."""
+    if not switches.mxfp4_experts:
+        return False
+    shard = cfg.moe.intermediate_size // tp.size
+    if not GptOssExperts.mxfp4_fits(cfg.hidden_size, shard):
+        log.warning(
+            "MXFP4 experts dequantized at load: hidden size %d or expert shard %d is not whole 32-element groups",
+            cfg.hidden_size,
+            shard,
+        )
+        return False
+    return True
 
 
 def _layer_class(cfg: ModelConfig) -> type[DecoderLayer]:

@@ -1,9 +1,16 @@
-"""MXFP4 weights (the OCP microscaling format gpt-oss ships its experts in), dequantized at load.
+"""MXFP4 weights (the OCP microscaling format gpt-oss ships its experts in).
 
 Owns: the format's decoding (`dequantize`), the check of a checkpoint's quantization_config
-(`is_mxfp4_checkpoint`), and the checkpoint filter `dequantized` that turns each pair of
-`<name>_blocks` / `<name>_scales` tensors into `<name>` in the compute dtype, laid out as an
-unquantized Hugging Face checkpoint holds it. The model never sees MXFP4.
+(`is_mxfp4_checkpoint`), random MXFP4 tensors for dummy weights (`dummy_pair`), and the
+checkpoint filter `dequantized` that turns each pair of `<name>_blocks` / `<name>_scales`
+tensors into `<name>` in the compute dtype, laid out as an unquantized Hugging Face checkpoint
+holds it.
+
+Two ways in (KernelSwitches.mxfp4_experts, NANOSERVE_MXFP4_EXPERTS): with the switch on gpt-oss's experts
+stay MXFP4 (nanoserve/models/gpt_oss.py `GptOssExperts.use_mxfp4`: the blocks repacked into the
+kernels' bit layout, `kernels.moe.pack_mxfp4`, the scales as they are), and the fused MoE kernels
+decode them in registers (kernels/moe.py), the torch twins per expert on the fly; with the switch
+off (the default) (or widths not in whole 32-groups) `dequantized` runs at load and the model never sees MXFP4.
 
 The format, per group of 32 consecutive elements along the input dimension:
 - 32 FP4 E2M1 codes, two to a byte, the even element in the low nibble: a sign bit, then
@@ -16,6 +23,7 @@ whose dequantized form is [E, rows, K]; Hugging Face's unquantized parameter is 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -39,6 +47,27 @@ def is_mxfp4_checkpoint(hf_config: dict) -> bool:
             f"quant_method 'mxfp4' is read for gpt-oss experts only, not for model_type {hf_config.get('model_type')!r}"
         )
     return True
+
+
+# Random codes take each of the 16 values equally often: mean square (0 + 0.5^2 + ... + 6^2) / 8.
+_CODE_MEAN_SQUARE = sum(v * v for v in FP4_VALUES) / len(FP4_VALUES)
+
+
+def dummy_pair(
+    name: str, shape: tuple[int, ...], gen: torch.Generator, device: torch.device
+) -> list[tuple[str, torch.Tensor]]:
+    """Random `<name>_blocks` / `<name>_scales` for an expert weight whose unquantized form is
+    `shape` [E, K, rows] (Hugging Face's layout): uniform random codes, and per group a scale
+    of 2^f or 2^(f+1), f chosen so that the weights' variance is near 1/K (the dummy loader's
+    rule for every matrix). Both scales and all 16 codes occur, so a decoding slip shows."""
+    e, k, rows = shape
+    if k % GROUP:
+        raise ValueError(f"MXFP4 dummy weights need the input width ({k}) in whole {GROUP}-groups")
+    blocks = torch.randint(0, 256, (e, rows, k // GROUP, GROUP // 2), generator=gen, device=device, dtype=torch.uint8)
+    # scale^2 * mean square = 1/K at scale 2^x, x = -log2(K * mean square) / 2; f = floor(x)
+    low = SCALE_BIAS + math.floor(-0.5 * math.log2(k * _CODE_MEAN_SQUARE))
+    scales = torch.randint(low, low + 2, (e, rows, k // GROUP), generator=gen, device=device, dtype=torch.uint8)
+    return [(name + "_blocks", blocks), (name + "_scales", scales)]
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
