@@ -51,6 +51,12 @@ class KernelSwitches:
     kv_store_in_rope: bool = True
     # At one row the qkv GEMV rotates q and k (and stores K/V) in its epilogue; off: the rotary kernel.
     rope_in_gemv: bool = True
+    # Speculative verify steps: at 2..16 rows the split-K qkv product's partials are summed, rotated and stored
+    # (with K/V) by one epilogue kernel, at 5..16 rows gate_up runs the gated dot kernel (SiLU-and-mul in its
+    # epilogue); off: the sum, rotary and SiLU-and-mul kernels apart (kernels/qkv_rope.py, linear.py). Off by
+    # default: correct on a GPU, but llama-3.1-8b's K=4 verify step took 1.350x a decode step with it against
+    # 1.129x without (H200, benchmarks/results/2026-12-02.md), though each kernel alone is as fast or faster.
+    fused_16_rows: bool = False
     # Decode attention launches the kv heads of a request next to each other; off: one head of every request first.
     decode_heads_first: bool = True
     # Triton sampler for greedy / plain-temperature batches; off: the torch path.

@@ -4,9 +4,12 @@ unspecialised and every pointer and stride 16-divisible, as at the engine's larg
 (ranks 0 and 1 are specialised, so TP=2 alone never compiles these paths). `decode`: the
 decode kernels that read before their PDL wait (rotary with and without its norm, K/V store
 and fp8 cache; decode split and reduce), in their PDL variants, which Triton's interpreter
-never builds. Prints each argument once all its kernels have compiled; a failure raises.
+never builds. `rows16`: the 2..16-row fused kernels (the split-K qkv sum with the rotation
+and K/V store, `qkv_rope._split_rope_kernel`; the gated dot kernel, `linear._gated_dot_kernel`)
+at llama-3.1-8b's shapes, in their PDL variants. Prints each argument once all its kernels
+have compiled; a failure raises.
 
-    python tests/hopper_compile.py 2 4 8 decode
+    python tests/hopper_compile.py 2 4 8 decode rows16
 
 Used by tests/test_tp.py and tests/test_decode_kernels.py (CPU, in CI, through
 `check_in_own_process`) and by benchmarks/tp_session.sh's `symm` stage (the GPU image's Triton)."""
@@ -23,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import triton
 from triton.backends.compiler import GPUTarget
 
-from nanoserve.kernels import all_reduce, attention, linear, rotary
+from nanoserve.kernels import all_reduce, attention, linear, qkv_rope, rotary
 
 BF16, I64, I32, F32 = "*bf16", "*i64", "*i32", "*fp32"
 
@@ -82,6 +85,21 @@ def compile_decode_kernels() -> None:
         )
 
 
+def compile_rows16_kernels() -> None:
+    rope = {"ws_ptr": F32, "b_ptr": BF16, "y_ptr": BF16, "pos_ptr": I64, "cos_ptr": F32, "sin_ptr": F32}
+    rope |= {"slot_ptr": I64} | {n: "i32" for n in qkv_rope._split_rope_kernel.arg_names if n.startswith("stride")}
+    heads = {"SPLIT_K": 2, "NUM_Q_HEADS": 32, "NUM_K_HEADS": 8, "HEAD_DIM": 128, "BLOCK_HALF": 64, "BLOCK_H": 8}
+    for bias, store, fp8 in ((False, False, False), (False, True, False), (True, True, True)):
+        cache = "*fp8e4nv" if fp8 else BF16
+        consts = {**heads, "HAS_BIAS": bias, "STORE_KV": store, "TO_FP8": fp8, "USE_PDL": True}
+        compile_for_hopper(qkv_rope._split_rope_kernel, rope | {"k_cache_ptr": cache, "v_cache_ptr": cache}, consts, 4)
+    gated = {n: BF16 for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
+    gated |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")}
+    tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "UPCAST": False, "PRECISE": True, "USE_PDL": True}
+    for bias, even in ((False, True), (True, False)):
+        compile_for_hopper(linear._gated_dot_kernel, gated, {**tile, "HAS_BIAS": bias, "EVEN_K": even}, 4)
+
+
 def check_in_own_process(*args: str) -> None:
     """Run this script on `args` in a process of its own, without Triton's interpreter (the
     caller's process may run it), and assert that every argument compiled."""
@@ -95,6 +113,8 @@ if __name__ == "__main__":
     for arg in sys.argv[1:]:
         if arg == "decode":
             compile_decode_kernels()
+        elif arg == "rows16":
+            compile_rows16_kernels()
         else:
             compile_tp_kernels(int(arg))
         print(arg, flush=True)

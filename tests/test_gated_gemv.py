@@ -113,7 +113,9 @@ def test_gated_product_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="even number"):
         klinear.small_m_linear(x, w, None, LinearConfig("fma", 1, 4, 32), gated=True)
     with pytest.raises(ValueError, match="even number"):
-        klinear.small_m_linear(x, torch.zeros(8, 64), None, LinearConfig("dot", 16, 32, 32), gated=True)
+        klinear.small_m_linear(x, torch.zeros(8, 64), None, LinearConfig("fp8", 16, 32, 32), gated=True)
+    with pytest.raises(ValueError, match="unsplit"):  # the gated dot kernel (tests/test_fused_16_rows.py)
+        klinear.small_m_linear(x, torch.zeros(8, 64), None, LinearConfig("dot", 16, 32, 32, split_k=2), gated=True)
 
 
 def test_mlp_layer_on_cpu_is_the_slow_twin():

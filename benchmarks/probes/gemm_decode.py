@@ -2,6 +2,7 @@
 
     PYTHONUNBUFFERED=1 python benchmarks/probes/gemm_decode.py [--model qwen3|smollm2|llama] [--ms 16 32 ...]
         [--shapes qkv lm_head] [--full] [--no-sweep] [--jobs 16]
+    PYTHONUNBUFFERED=1 python benchmarks/probes/gemm_decode.py --gated --model llama --ms 5 8 13 16
     TRITON_INTERPRET=1 python benchmarks/probes/gemm_decode.py --smoke     # CPU check of the kernels
 
 For each weight shape [N, K] (bf16) of a model's decoder layer and LM head and each decode
@@ -24,8 +25,14 @@ The Triton kernels compile up front in a thread pool (Triton's AsyncCompileMode,
 They launch with programmatic dependent launch, as the engine's do.
 At the end a markdown table per (shape, M) and the GEMM time per decode step (layers x
 (qkv + o + gate_up + down) + lm_head) per method, also written to $OUT/gemm_decode.md.
+--gated: the model's gate_up product followed by SiLU-and-mul instead (output [M, I]): the
+columns "cuBLAS" / "cuBLASLt" are F.linear under that library then the layer's SiLU-and-mul
+(`layers.silu_and_mul`, what the engine runs apart), "apart" the engine's product rule then
+that SiLU-and-mul (what runs with `NANOSERVE_FUSED_16_ROWS=0`, the default), "rule" the gated dot kernel with
+`gated_dot_config`'s tiles (the apart time where it returns None), and the sweep
+(`gated_candidates`) the gated dot kernel's tiles; each checked against the fp32 reference.
 --smoke (CPU, TRITON_INTERPRET=1): the kernels against F.linear on tiny shapes for 1-4 splits,
-repeat runs bit-identical, and the sweep's config counts.
+repeat runs bit-identical, the gated dot kernel against its reference, and the sweep's config counts.
 """
 
 from __future__ import annotations
@@ -53,8 +60,10 @@ from attention import copy_ceiling, graph_ms
 from compile_ahead import precompile
 
 from nanoserve.kernels import linear as triton_ops
+from nanoserve.kernels.activation import silu_and_mul_reference
 from nanoserve.kernels.launch import INTERPRET
 from nanoserve.kernels.linear import LinearConfig
+from nanoserve.models import layers
 
 DT = torch.bfloat16
 # (label, N, K) of the weights [N, K]; layer count; the decoder-layer shapes repeat per layer.
@@ -78,12 +87,15 @@ def describe(c: LinearConfig) -> str:
     return f"{name} m{c.block_m} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
 
 
-def launch(cfg: LinearConfig, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, warmup: bool = False) -> None:
-    """out [M, N] (dense) = x W^T with the engine's kernels; with `warmup` only compile them."""
+def launch(
+    cfg: LinearConfig, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, warmup: bool = False, gated: bool = False
+) -> None:
+    """out [M, N] (dense) = x W^T with the engine's kernels (`gated`: out [M, N/2] = silu(gate) *
+    up, one launch); with `warmup` only compile them."""
     if warmup:
-        triton_ops.compile_linear(x, w, None, cfg, out)
+        triton_ops.compile_linear(x, w, None, cfg, out, gated=gated)
     else:
-        triton_ops.small_m_linear(x, w, None, cfg, out=out)
+        triton_ops.small_m_linear(x, w, None, cfg, out=out, gated=gated)
 
 
 # ------------------------------------------------------------------------------ sweep
@@ -110,20 +122,38 @@ def candidates(M: int, N: int, K: int, full: bool = False) -> list[LinearConfig]
     return out
 
 
+def gated_candidates(M: int, N: int, K: int, full: bool = False) -> list[LinearConfig]:
+    """The gated dot kernel's configs timed for x [M, K] times a gate_up weight [N = 2I, K]:
+    16-row tiles (M <= 16; more rows: BLOCK_M up to next_pow2(M)), block_n the width of each
+    of the gate and up tiles, unsplit; two W tiles and an x tile per pipelined stage within
+    SMEM_LIMIT, 32..4096 programs. Unless `full`, 8 warps only on tiles >= 64 wide."""
+    out = []
+    for bm in (b for b in BMS if b <= max(16, triton.next_power_of_2(M))):
+        for bn, bk, warps, stages in itertools.product((16, *BNS), BKS, WARPS, STAGES):
+            if not full and warps == 8 and bn < 64:
+                continue
+            programs = triton.cdiv(N // 2, bn) * triton.cdiv(M, bm)
+            if (bm + 2 * bn) * bk * 2 * stages > SMEM_LIMIT or bk > K:
+                continue
+            if MIN_PROGRAMS <= programs <= MAX_PROGRAMS:
+                out.append(LinearConfig("dot", bm, bn, bk, warps, stages))
+    return out
+
+
 def compile_keys(cfgs: list[LinearConfig], K: int) -> set[tuple]:
     """What distinguishes the compiled product kernels among `cfgs` (the sum kernels: one per
     split count)."""
     return {(c, K % (c.block_k * c.split_k) == 0) for c in cfgs}
 
 
-def compile_launches(plan: list[tuple[int, int, int, list[LinearConfig]]]):
+def compile_launches(plan: list[tuple[int, int, int, list[LinearConfig]]], gated: bool = False):
     """(label, launch) of every (M, N, K, configs) of `plan`, for `precompile`."""
     for M, N, K, cfgs in plan:
         x = torch.empty(M, K, device="cuda", dtype=DT)
         w = torch.empty(N, K, device="cuda", dtype=DT)
-        out = torch.empty(M, N, device="cuda", dtype=DT)
+        out = torch.empty(M, N // 2 if gated else N, device="cuda", dtype=DT)
         for cfg in cfgs:
-            yield describe(cfg), functools.partial(launch, cfg, x, w, out, warmup=True)
+            yield describe(cfg), functools.partial(launch, cfg, x, w, out, warmup=True, gated=gated)
 
 
 @contextmanager
@@ -149,6 +179,7 @@ class Row:
     rule_cfg: str
     triton_us: float  # best of the sweep (nan with --no-sweep)
     triton_cfg: str
+    apart_us: float = math.nan  # --gated: the engine's product rule, then its SiLU-and-mul
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -159,14 +190,17 @@ def per_call(us: float, N: int, K: int, M: int) -> str:
     return f"{us:7.2f} us {N * K * 2 / us / 1e6:5.2f} TB/s {2 * M * N * K / us / 1e6:6.1f} TF"
 
 
-def sweep_shape(label: str, N: int, K: int, ms: list[int], sweep: bool, full: bool, ceiling: float) -> list[Row]:
+def sweep_shape(
+    label: str, N: int, K: int, ms: list[int], sweep: bool, full: bool, ceiling: float, gated: bool = False
+) -> list[Row]:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     nbytes = N * K * 2
     copies = min(64, max(2, math.ceil(4 * l2 / nbytes)))
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = [torch.randn(N, K, device="cuda", dtype=DT, generator=gen).mul_(K**-0.5) for _ in range(copies)]
     print(f"\n## {label} N={N} K={K}: {copies} weight copies ({copies * nbytes / 2**20:.0f} MiB)", flush=True)
-    return [sweep_m(label, M, weights, gen, sweep, full, nbytes / ceiling / 1e6) for M in ms]
+    m_sweep = sweep_gated_m if gated else sweep_m
+    return [m_sweep(label, M, weights, gen, sweep, full, nbytes / ceiling / 1e6) for M in ms]
 
 
 def sweep_m(
@@ -218,6 +252,63 @@ def sweep_m(
     top_us, top_cfg = min(best.values(), key=lambda t: t[0]) if best else (math.nan, None)
     top = describe(top_cfg) if top_cfg is not None else "-"
     return Row(label, N, K, M, floor, cublas, cublaslt, rule_us, rule_cfg, top_us, top)
+
+
+def sweep_gated_m(
+    label: str, M: int, weights: list[torch.Tensor], gen: torch.Generator, sweep: bool, full: bool, floor: float
+) -> Row:
+    """--gated: silu(gate) * up of x W^T [M, N/2] by each method (see the module docstring)."""
+    N, K = weights[0].shape
+    dev = weights[0].device
+    x = torch.randn(M, K, device=dev, dtype=DT, generator=gen)
+    ref = silu_and_mul_reference(F.linear(x.float(), weights[0].float()))
+    reps = max(1, math.ceil(16 / len(weights)))
+
+    def timed(call: Callable[[torch.Tensor], object]) -> float:
+        return graph_ms([lambda w=w: call(w) for w in weights] * reps) * 1e3
+
+    def checked(name: str, got: torch.Tensor) -> bool:
+        if not (err := rel_err(got, ref)) < TOL:
+            print(f"  FAIL {name} M={M}: rel err {err:.2e}", flush=True)
+        return err < TOL
+
+    apart = {}
+    for name in ("cublas", "cublaslt"):
+        with blas(name):
+            checked(name, layers.silu_and_mul(F.linear(x, weights[0])))
+            apart[name] = timed(lambda w: layers.silu_and_mul(F.linear(x, w)))
+    checked("apart", layers.silu_and_mul(layers.linear(x, weights[0])))
+    engine_apart = timed(lambda w: layers.silu_and_mul(layers.linear(x, w)))
+    out = torch.empty(M, N // 2, device=dev, dtype=DT)
+
+    def time_config(cfg: LinearConfig) -> float:
+        try:
+            launch(cfg, x, weights[0], out, gated=True)
+            if not checked(describe(cfg), out):
+                return math.nan
+            return timed(lambda w: launch(cfg, x, w, out, gated=True))
+        except Exception as exc:  # noqa: BLE001 - out of resources, compile or launch errors
+            print(f"  error {describe(cfg)} M={M}: {type(exc).__name__}: {str(exc).strip()[:120]}", flush=True)
+            return math.nan
+
+    rule = triton_ops.gated_dot_config(M, N, K, DT)
+    rule_us = time_config(rule) if rule is not None else engine_apart
+    rule_cfg = f"gated {describe(rule)}" if rule is not None else "apart (no gated config)"
+    found = []
+    for cfg in gated_candidates(M, N, K, full) if sweep else []:
+        us = time_config(cfg)
+        if not math.isnan(us):
+            found.append((us, cfg))
+    found.sort(key=lambda t: t[0])
+    print(f"{label} gated M={M:<3} floor {floor:6.2f} us | cuBLAS + SiLU {per_call(apart['cublas'], N, K, M)}"
+          f" | cuBLASLt + SiLU {per_call(apart['cublaslt'], N, K, M)}", flush=True)  # fmt: skip
+    print(f"    {'apart':<8} {per_call(engine_apart, N, K, M)}  the engine's product rule + SiLU-and-mul", flush=True)
+    print(f"    {'rule':<8} {per_call(rule_us, N, K, M)}  {rule_cfg}", flush=True)
+    for us, cfg in found[:8]:
+        print(f"    {'gated':<8} {per_call(us, N, K, M)}  {describe(cfg)}", flush=True)
+    top_us, top_cfg = found[0] if found else (math.nan, None)
+    top = f"gated {describe(top_cfg)}" if top_cfg is not None else "-"
+    return Row(label, N, K, M, floor, apart["cublas"], apart["cublaslt"], rule_us, rule_cfg, top_us, top, engine_apart)
 
 
 def best_us(r: Row) -> float:
@@ -287,6 +378,12 @@ def smoke() -> None:
             err = rel_err(out, ref)
             assert err < TOL and torch.equal(out, again), (M, N, K, cfg, err)
             print(f"ok  M={M} N={N} K={K} {describe(cfg)}: rel err {err:.1e}, repeat bit-identical", flush=True)
+        gated = LinearConfig("dot", 16, 16, 64, 4, 3)
+        out = torch.empty(M, N // 2, dtype=DT)
+        launch(gated, x, w, out, gated=True)
+        err = rel_err(out, silu_and_mul_reference(x.float() @ w.float().T))
+        assert err < TOL, (M, N, K, gated, err)
+        print(f"ok  M={M} N={N} K={K} gated {describe(gated)}: rel err {err:.1e}", flush=True)
     for model, (_, shapes) in MODELS.items():
         keys: set[tuple] = set()
         for label, N, K in shapes:
@@ -294,6 +391,10 @@ def smoke() -> None:
             assert all(counts), (model, label, counts)
             keys |= set().union(*(compile_keys(candidates(M, N, K), K) for M in (16, 32, 64, 128, 192, 256)))
             print(f"{model} {label} {N}x{K}: configs per M 16..256 = {counts}", flush=True)
+        _, N, K = next(shape for shape in shapes if shape[0] == "gate_up")
+        counts = [len(gated_candidates(M, N, K)) for M in (5, 8, 13, 16)]
+        assert all(counts), (model, counts)
+        print(f"{model} gate_up {N}x{K}: gated configs per M 5, 8, 13, 16 = {counts}", flush=True)
         print(f"{model}: {len(keys)} distinct kernel compiles (+1 sum kernel per split count)", flush=True)
 
 
@@ -306,11 +407,14 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="time cuBLAS and the engine's rule only")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile threads (1: serial)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter check of the kernels, then exit")
+    ap.add_argument("--gated", action="store_true", help="gate_up + SiLU-and-mul: apart against the gated dot kernel")
     args = ap.parse_args()
     if args.smoke:
         smoke()
         return
     _, shapes = MODELS[args.model]
+    if args.gated:
+        shapes = [s for s in shapes if s[0] == "gate_up"]
     if args.shapes:
         unknown = set(args.shapes) - {s for s, _, _ in shapes}
         if unknown:
@@ -327,16 +431,20 @@ def main() -> None:
     plan = []
     for _, N, K in shapes:
         for M in args.ms:
-            rule = triton_ops.linear_config(M, N, K, DT)
-            cfgs = candidates(M, N, K, args.full) if sweep else []
+            if args.gated:
+                rule = triton_ops.gated_dot_config(M, N, K, DT)
+                cfgs = gated_candidates(M, N, K, args.full) if sweep else []
+            else:
+                rule = triton_ops.linear_config(M, N, K, DT)
+                cfgs = candidates(M, N, K, args.full) if sweep else []
             plan.append((M, N, K, cfgs + ([rule] if rule is not None and rule not in cfgs else [])))
     keys = set().union(*(compile_keys(cfgs, K) for _, _, K, cfgs in plan))
     print(f"{sum(len(p[3]) for p in plan)} (shape, M, config) timings, {len(keys)} kernel compiles", flush=True)
-    precompile(compile_launches(plan), args.jobs)
+    precompile(compile_launches(plan, args.gated), args.jobs)
     torch.cuda.empty_cache()
     rows = []
     for label, N, K in shapes:
-        rows += sweep_shape(label, N, K, args.ms, sweep, args.full, ceiling)
+        rows += sweep_shape(label, N, K, args.ms, sweep, args.full, ceiling, args.gated)
         torch.cuda.empty_cache()
         print(f"  ({time.perf_counter() - start:.0f} s so far)", flush=True)
     table = report(args.model, rows, ceiling, device)

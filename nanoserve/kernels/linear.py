@@ -12,6 +12,8 @@ M; these kernels stream W once with wide loads:
   optionally split along K (`split_k` programs per output tile, each storing its fp32
   partial to a workspace [split_k, M, N]; a second kernel adds the partials in split order
   and rounds once, or `norm.rms_norm` adds them when it is the product's only consumer).
+  Gated (`gated=True`, unsplit, dense weights: `_gated_dot_kernel`): a gate tile and the
+  matching up tile per program, SiLU-and-mul in the epilogue (`gated_dot_config`: 5..16 rows).
 - "fp8": FP8 weights at few rows (`_fp8_decode_kernel`): each W tile converted once for all
   rows, then CUDA-core FMAs (row at a time, or the "fma" scheme) or tensor cores, the
   conversion by bit operations or Triton's cast, split-K as "dot" (config knobs `mma`,
@@ -259,6 +261,53 @@ def _linear_dot_kernel(
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn_in).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_dot_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISE: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """An MLP's merged gate_up weight [2N, K] (gate rows first) on tensor cores: program (n, m)
+    holds output tile (m, n) of silu(x Wg^T) * (x Wu^T) [M, N], two accumulators over the gate
+    rows rn and the up rows N + rn, each the tile `_linear_dot_kernel` would form for those
+    rows (same K loop and order), each rounded to y's dtype (+ bias first) as that kernel's
+    store does, then `activation.silu_mul_rounded` (PRECISE as there)."""
+    pdl_start(USE_PDL)
+    rm, rn, rk = _tile_ranges(BLOCK_M, BLOCK_N, BLOCK_K)
+    rn_in = tl.minimum(rn, N - 1).to(tl.int64)  # columns past N re-read the last one (never stored)
+    m_mask = rm < M
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    g_ptrs = w_ptr + rn_in[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N] views of W^T
+    u_ptrs = w_ptr + (rn_in + N)[None, :] * stride_wn + rk[:, None]
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            k_mask = (k0 + rk) < K
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
+        if UPCAST:
+            x, g, u = x.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g = _dot(x, g, acc_g)
+        acc_u = _dot(x, u, acc_u)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + rn_in).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + N + rn_in).to(tl.float32)[None, :]
+    dtype = y_ptr.dtype.element_ty
+    y = silu_mul_rounded(acc_g.to(dtype).to(tl.float32), acc_u.to(dtype).to(tl.float32), dtype, PRECISE)
+    mask = m_mask[:, None] & (rn[None, :] < N)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=mask)
 
 
 @triton.jit
@@ -553,8 +602,9 @@ def small_m_linear(
     gated: bool = False,
 ) -> torch.Tensor:
     """y = x W^T (+ b) for x [M, K] (dense last dim), weight [N, K] (dense rows). With `gated`
-    (an "fma" config, N even: an MLP's gate_up weight, gate rows first) y is silu(gate) * up
-    [M, N/2] instead, in one launch (see `_linear_fma_kernel`; `gated_config`). An FP8
+    (an "fma" config, or an unsplit "dot" config over a dense weight; N even: an MLP's gate_up
+    weight, gate rows first) y is silu(gate) * up [M, N/2] instead, in one launch (see
+    `_linear_fma_kernel`, `_gated_dot_kernel`; `gated_config`, `gated_dot_config`). An FP8
     weight comes with `w_scale`: per-channel fp32 [N], or with `block_scale` the 128x128
     block scales fp32 [ceil(N/128), ceil(K/128)] (dense rows; a "dot" config then needs
     block_k 128 and 128-aligned splits: `block_fp8_config` and the rule's split configs are). `out` is an
@@ -626,8 +676,10 @@ def _linear_launches(
     if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != K:
         raise ValueError("small_m_linear needs x [M, K] and weight [N, K] with dense last dims")
     c = config
-    if gated and (c.kernel != "fma" or weight.shape[0] % 2):
-        raise ValueError("a gated product runs the fma kernel on an even number of weight rows")
+    if gated and (c.kernel not in ("fma", "dot") or weight.shape[0] % 2):
+        raise ValueError("a gated product runs the fma or dot kernel on an even number of weight rows")
+    if gated and c.kernel == "dot" and (c.split_k != 1 or w_scale is not None):
+        raise ValueError("a gated dot product is unsplit (split_k 1) over a dense weight")
     if c.split_k < 1 or (c.split_k > 1 and c.kernel == "fma"):
         raise ValueError(f"split_k={c.split_k}: only the dot and fp8 kernels split K (split_k >= 1)")
     if (w_scale is not None) != (weight.dtype == FP8_WEIGHT):
@@ -683,6 +735,10 @@ def _linear_launches(
         return [(_linear_fma_kernel, grid[:2], args, options)]
     if c.kernel == "fp8":
         return _fp8_launches(x, weight, bias, c, out, s, stride_s, block_scale, common, launch, grid)
+    if gated:
+        args = (x, weight, b, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0))
+        options = {"HAS_BIAS": bias is not None, "EVEN_K": K % c.block_k == 0, "UPCAST": DOT_F32}
+        return [(_gated_dot_kernel, grid[:2], args, {**options, "PRECISE": not INTERPRET, **common})]
     # Each split covers a whole number of K blocks; EVEN_K: every split's blocks lie within K.
     k_split = triton.cdiv(triton.cdiv(K, c.split_k), c.block_k) * c.block_k
     even_k = K % (c.block_k * c.split_k) == 0
@@ -900,6 +956,30 @@ def gated_config(config: LinearConfig | None) -> LinearConfig | None:
     if config is None or config.kernel != "fma":
         return None
     return replace(config, block_n=max(1, config.block_n // 2))
+
+
+# The gated dot kernel at M = 5..16 (speculative verify steps; `fused_16_rows`): one launch
+# instead of the product (cuBLAS or the dot kernel) and the SiLU-and-mul kernel. Not measured
+# yet (`python benchmarks/probes/gemm_decode.py --gated`, which times it against cuBLAS +
+# silu_and_mul): where the rule gives the product unsplit 16-row dot tiles (SmolLM2-135M's
+# gate_up) it takes them at half the width per gate and up tile, so the programs and their
+# bytes stay those the rule measured (as `gated_config` does for the GEMV); where the rule
+# leaves a long-K product to cuBLAS (llama-3.1-8b's gate_up, 28672 x 4096) 16 x 64 tiles 128
+# deep over 4 stages (224 programs at I = 14336; each streams a gate and an up tile, the
+# bytes of the 16 x 128 tiles the split-K rule took on llama's other products).
+def gated_dot_config(M: int, N: int, K: int, dtype: torch.dtype) -> LinearConfig | None:
+    """The gated dot kernel's config (`small_m_linear(gated=True)`) for x [M, K] times a dense
+    gate_up weight [N = 2I, K], or None where the product and the SiLU-and-mul run apart
+    (outside 5..16 rows, where the rule splits K or runs the fma kernel, short-K products
+    cuBLAS keeps); see the rule above."""
+    if dtype not in _FAST_DTYPES or not 5 <= M <= 16 or K % 8 or N % 2:
+        return None
+    plain = linear_config(M, N, K, dtype)
+    if plain is None:
+        return LinearConfig("dot", 16, 64, 128, num_warps=4, num_stages=4) if K >= 4096 else None
+    if plain.kernel == "dot" and plain.split_k == 1 and plain.block_m == 16:
+        return replace(plain, block_n=max(16, plain.block_n // 2))  # tl.dot's tiles are >= 16 wide
+    return None
 
 
 def fp8_linear_config(M: int, N: int, K: int, dtype: torch.dtype, block: bool = False) -> LinearConfig | None:

@@ -1,7 +1,12 @@
-"""The one-row qkv GEMV with the rotary embedding and the K/V store in its epilogue: a decode
-step at batch 1 runs the attention block's input projection, the neox rotation of q and k
-and the write of the new K/V into the cache in one launch instead of two (the GEMV, then
-`rotary.qk_norm_rope` with its store).
+"""The qkv product with the rotary embedding and the K/V store in its epilogue, at decode's
+few rows:
+- one row (`qkv_rope_gemv`): a decode step at batch 1 runs the attention block's input
+  projection, the neox rotation of q and k and the write of the new K/V into the cache in one
+  launch instead of two (the GEMV, then `rotary.qk_norm_rope` with its store);
+- 2..16 rows through a split-K config (`qkv_rope_rows`: speculative verify steps, whose 1 + K
+  rows per request the rule gives 16-row split-K tiles): the product's kernel stores its fp32
+  partials, then one epilogue kernel sums them, rounds, rotates and stores q|k|v and the K/V
+  rows, instead of a sum kernel and the rotary kernel (two launches instead of three).
 
 How: the GEMV is `linear._linear_fma_kernel`'s one-row scheme (the same K loop, `_fma_step`
 and `_fma_outputs`), with its output rows paired for the rotation: program p of head h holds
@@ -12,13 +17,21 @@ the output dtype (as the GEMV's store does), rotates the pairs of q and k heads 
 [q | k | v] in the GEMV's usual layout, and a k or v program also writes its heads into cache
 slot `slot_mapping[0]` (skipped when negative), as `store_kv` would.
 
+Rows (`_split_rope_kernel`): program (t, j) holds row t's heads j * BLOCK_H .. + BLOCK_H (the
+merged order again), as pairs (d, d + D/2). It adds the split-K planes of those columns in
+split order and the bias in fp32 and rounds once (exactly what `linear._sum_splits_kernel`
+stores), then rotates and stores as above, and writes row t's k and v heads into cache slot
+`slot_mapping[t]` (skipped when negative). Each row is its own token: its position and slot.
+
 `qkv_rope_reference` is the torch twin of the output (the product, then `rope_reference`); the
 cache rows it writes are those `rotary.qk_norm_rope` writes from the same q|k|v.
 
-Invariants: one row; no q/k norm (Qwen3 keeps the two launches); the output equals the
-unfused GEMV + rotary kernel within one rounding step of the rotation (both round the product
-and the rotated values to the dtype; only the fp32 rotation's contraction may differ); under
-PDL only weights, tables and the step's inputs (position, slot) are read before the wait.
+Invariants: no q/k norm (Qwen3 keeps the separate launches); the output equals the unfused
+product + rotary kernel within one rounding step of the rotation (both round the product and
+the rotated values to the dtype; only the fp32 rotation's contraction may differ; in Triton's
+interpreter they are bit-equal), and the cache rows are those the rotary kernel's store writes
+from it; under PDL only weights, tables and the step's inputs (positions, slots) are read
+before the wait; launchers allocate only shape-determined outputs (graph-safe).
 """
 
 from __future__ import annotations
@@ -28,7 +41,16 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.launch import launch_options, pdl_start
-from nanoserve.kernels.linear import FP8_WEIGHT, LinearConfig, _fma_outputs, _fma_step, _prefetch_l2, _x_step
+from nanoserve.kernels.linear import (
+    FP8_WEIGHT,
+    LinearConfig,
+    _fma_outputs,
+    _fma_step,
+    _prefetch_l2,
+    _sum_planes,
+    _x_step,
+    small_m_linear,
+)
 from nanoserve.kernels.rotary import _to_cache, rope_reference
 
 
@@ -43,9 +65,11 @@ def qkv_rope_reference(
     num_k_heads: int,
     head_dim: int,
 ) -> torch.Tensor:
-    """The slow twin: x W^T (+ b) in x's dtype [1, (Hq + 2 Hk) D], q and k rotated in place."""
+    """The slow twin: x [T, K] W^T (+ b) in x's dtype [T, (Hq + 2 Hk) D], q and k of row t
+    rotated in place at positions[t]."""
     y = (x.float() @ weight.float().t() + (0 if bias is None else bias.float())).to(x.dtype)
-    q, k, _ = y.view(1, num_q_heads + 2 * num_k_heads, head_dim).split([num_q_heads, num_k_heads, num_k_heads], 1)
+    heads = y.view(x.shape[0], num_q_heads + 2 * num_k_heads, head_dim)
+    q, k, _ = heads.split([num_q_heads, num_k_heads, num_k_heads], 1)
     q_rot, k_rot = rope_reference(positions, q, k, cos, sin)
     q.copy_(q_rot)
     k.copy_(k_rot)
@@ -177,5 +201,138 @@ def qkv_rope_gemv(
         STORE_KV=kv_store is not None, TO_FP8=k_cache.element_size() == 1 and kv_store is not None,
         EARLY_TABLES=config.num_warps <= 2 if early_tables is None else early_tables,
         num_warps=config.num_warps, **launch_options(x.device, pdl),
+    )  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------------------ 2..16 rows
+
+ROWS_MAX = 16  # the rows `qkv_rope_rows` is meant for (the rule's 16-row tiles); any count runs
+PAIRS_PER_PROGRAM = 512  # (head, pair) lanes per epilogue program: the sum kernel's 1024 columns
+
+
+@triton.jit
+def _split_rope_kernel(
+    ws_ptr, b_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_ym, stride_cos, stride_kc, stride_vc,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr,
+    TO_FP8: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (t, j): heads j * BLOCK_H .. + BLOCK_H (q, then k, then v heads) of row t, from
+    the split-K workspace ws [SPLIT_K, T, N] (dense; T the grid's rows): summed in split order
+    (+ bias) in fp32 and rounded once, q and k rotated at positions[t], the row stored into y
+    [T, N]; k and v heads also into cache slot slot[t] (a negative slot skipped)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    HEADS: tl.constexpr = NUM_Q_HEADS + 2 * NUM_K_HEADS
+    N: tl.constexpr = HEADS * HEAD_DIM
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    lanes = d < HALF
+    mask = (h < HEADS)[:, None] & lanes[None, :]
+    cols = h[:, None] * HEAD_DIM + d[None, :]  # the first halves; the second ones at + HALF
+    dtype = y_ptr.dtype.element_ty
+    # Weights, tables and the step's inputs (in place before the forward's first kernel) are
+    # read before the PDL wait, overlapping the product kernel's tail.
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * stride_cos + d, mask=lanes, other=0.0).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_cos + d, mask=lanes, other=0.0).to(dtype).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        b1 = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        b2 = tl.load(b_ptr + cols + HALF, mask=mask, other=0.0).to(tl.float32)
+    if STORE_KV:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+    pdl_start(USE_PDL)  # the partials come from the product kernel
+    plane = tl.num_programs(0).to(tl.int64) * N
+    src = ws_ptr + t * N + cols
+    x1 = _sum_planes(src, plane, mask, SPLIT_K)
+    x2 = _sum_planes(src + HALF, plane, mask, SPLIT_K)
+    if HAS_BIAS:
+        x1 += b1
+        x2 += b2
+    x1 = x1.to(dtype).to(tl.float32)  # the product's one rounding (the sum kernel's store)
+    x2 = x2.to(dtype).to(tl.float32)
+    rotates = (h < NUM_Q_HEADS + NUM_K_HEADS)[:, None]  # q and k heads; v heads pass
+    o1 = tl.where(rotates, x1 * cos - x2 * sin, x1).to(dtype)  # as rotary._norm_rope_heads
+    o2 = tl.where(rotates, x2 * cos + x1 * sin, x2).to(dtype)
+    dst = y_ptr + t * stride_ym + cols
+    tl.store(dst, o1, mask=mask)
+    tl.store(dst + HALF, o2, mask=mask)
+    if STORE_KV:  # noqa: SIM102 - `slot` exists only under the constexpr STORE_KV
+        if slot >= 0:
+            cache_ty = k_cache_ptr.dtype.element_ty
+            c1, c2 = _to_cache(o1, cache_ty, TO_FP8), _to_cache(o2, cache_ty, TO_FP8)
+            is_k = mask & ((h >= NUM_Q_HEADS) & (h < NUM_Q_HEADS + NUM_K_HEADS))[:, None]
+            k_dst = k_cache_ptr + slot * stride_kc + (cols - NUM_Q_HEADS * HEAD_DIM)  # masked off where not k
+            tl.store(k_dst, c1, mask=is_k)
+            tl.store(k_dst + HALF, c2, mask=is_k)
+            is_v = mask & (h >= NUM_Q_HEADS + NUM_K_HEADS)[:, None]
+            v_dst = v_cache_ptr + slot * stride_vc + (cols - (NUM_Q_HEADS + NUM_K_HEADS) * HEAD_DIM)
+            tl.store(v_dst, c1, mask=is_v)
+            tl.store(v_dst + HALF, c2, mask=is_v)
+
+
+def fuses_rope_in_sum(config: LinearConfig | None) -> bool:
+    """Whether `qkv_rope_rows` can run the product of config `config`: a split-K config of the
+    dot or fp8 kernel, whose partials its epilogue sums (an unsplit product would save no
+    launch: it keeps the product + rotary kernel)."""
+    return config is not None and config.kernel in ("dot", "fp8") and config.split_k > 1
+
+
+def qkv_rope_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: LinearConfig,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_q_heads: int,
+    num_k_heads: int,
+    head_dim: int,
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    w_scale: torch.Tensor | None = None,
+    pdl: bool = True,
+) -> torch.Tensor:
+    """x [T, K] (T tokens, dense rows) times the merged qkv weight [(Hq + 2 Hk) D, K] (bf16/fp16,
+    or FP8 with per-channel `w_scale`) (+ bias) through the split-K config `config`
+    (`fuses_rope_in_sum`), q and k of row t rotated at positions[t] by the fp32 cos/sin tables
+    [max_positions, D/2]: [T, (Hq + 2 Hk) D] in x's dtype. `kv_store` = (k_cache, v_cache,
+    slot_mapping [T]): row t's rotated k and its v also go into cache slot slot_mapping[t]
+    (negative: skipped; caches [pages, page_size, Hk, D], dense in their last three dims, x's
+    dtype or fp8). Two launches: the product's kernel (its fp32 partials, `small_m_linear`'s
+    `partials_only`), then `_split_rope_kernel`."""
+    T, K = x.shape
+    rows = (num_q_heads + 2 * num_k_heads) * head_dim
+    if x.stride(1) != 1 or weight.shape != (rows, K) or weight.stride(1) != 1 or head_dim % 2:
+        raise ValueError("qkv_rope_rows takes x [T, K] and the merged weight [(Hq + 2 Hk) D, K], an even D")
+    if not fuses_rope_in_sum(config):
+        raise ValueError(f"{config} is not a split-K config (see fuses_rope_in_sum)")
+    if positions.shape[0] < T or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("qkv_rope_rows needs a position per row and dense cos/sin rows")
+    k_cache, v_cache, slots = kv_store if kv_store is not None else (x, x, positions)  # unused without a store
+    if kv_store is not None:
+        row = (num_k_heads * head_dim, head_dim, 1)
+        if any(c.stride()[1:] != row or c.shape[2:] != (num_k_heads, head_dim) for c in (k_cache, v_cache)):
+            raise ValueError("kv_store needs caches [pages, page_size, Hk, D] dense in their last three dims")
+        if slots.shape[0] < T:
+            raise ValueError("kv_store needs a slot per row")
+    out = torch.empty(T, rows, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    # The bias joins in the epilogue: a split-K product adds it in its sum, never in the partials.
+    planes = small_m_linear(x, weight, None, config, partials_only=True, pdl=pdl, w_scale=w_scale)
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    heads = num_q_heads + 2 * num_k_heads
+    block_h = min(triton.next_power_of_2(heads), max(1, PAIRS_PER_PROGRAM // block_half))
+    _split_rope_kernel[(T, triton.cdiv(heads, block_h))](
+        planes, bias if bias is not None else planes, out, positions, cos, sin, k_cache, v_cache, slots,
+        out.stride(0), cos.stride(0), k_cache.stride(1), v_cache.stride(1),
+        HAS_BIAS=bias is not None, SPLIT_K=config.split_k, NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads,
+        HEAD_DIM=head_dim, BLOCK_HALF=block_half, BLOCK_H=block_h, STORE_KV=kv_store is not None,
+        TO_FP8=kv_store is not None and k_cache.element_size() == 1, num_warps=4,
+        **launch_options(x.device, pdl),
     )  # fmt: skip
     return out

@@ -23,9 +23,10 @@ exactly the pieces chained with `batch.attend` between them, so a caller that ru
 pieces itself (piecewise CUDA graphs, nanoserve.engine.piecewise_graph) computes the
 same function. The only difference is where the new K/V are stored: `forward` hands each
 piece its layer's `KVSink` and the rotary kernel writes them (at one row the qkv GEMV itself
-rotates and stores where it can: `Attention._rotating_qkv`); a caller that passes none leaves
-the store to the attention call. Every op inside a piece is row-wise (one token per row:
-norms, linears, rotary by position, SiLU): rows never mix outside attention.
+rotates and stores where it can, at 2..16 rows the split-K qkv product's sum kernel:
+`Attention._rotating_qkv`); a caller that passes none leaves the store to the attention call.
+Every op inside a piece is row-wise (one token per row: norms, linears, rotary by position,
+SiLU): rows never mix outside attention.
 """
 
 from __future__ import annotations
@@ -124,22 +125,31 @@ class Attention(nn.Module):
         return q, k, v
 
     def _rotating_qkv(self, positions, x, rotary: RotaryEmbedding, kv_sink: KVSink | None) -> torch.Tensor | None:
-        """The qkv product with q and k rotated (and, with `kv_sink`, K/V stored) by the GEMV's
-        epilogue (`kernels.qkv_rope`: one launch at one row, `rope_in_gemv`), or None where
-        that does not run (more rows, q/k norms, block-scaled FP8, a config without whole
-        pairs): then the product and the rotary kernel run apart."""
+        """The qkv product with q and k rotated (and, with `kv_sink`, K/V stored) in its
+        epilogue (`kernels.qkv_rope`): at one row by the GEMV (one launch, `rope_in_gemv`), at
+        2..16 rows by the split-K sum (`qkv_rope_rows`, `fused_16_rows`: speculative verify
+        steps); or None where neither runs (more rows, q/k norms, block-scaled FP8, a config
+        without whole pairs or not split): then the product and the rotary kernel run apart."""
         proj = self.qkv_proj
         sw = proj.switches
-        if not sw.rope_in_gemv or self.q_norm is not None or x.dim() != 2 or x.shape[0] != 1:
+        if self.q_norm is not None or x.dim() != 2:
+            return None
+        rows = x.shape[0]
+        one_row = rows == 1 and sw.rope_in_gemv
+        if not (one_row or (1 < rows <= qkv_rope.ROWS_MAX and sw.fused_16_rows)):
             return None
         fp8 = proj.fp8
+        if fp8 is not None and fp8.block:
+            return None
         config = proj.small_m_config(x)
-        if (fp8 is not None and fp8.block) or not qkv_rope.fuses_rope(config, self.head_dim):
+        fuses = qkv_rope.fuses_rope(config, self.head_dim) if one_row else qkv_rope.fuses_rope_in_sum(config)
+        if not fuses:
             return None
         store = None
         if kv_sink is not None and sw.kv_store_in_rope:
             store = (kv_sink.k_cache, kv_sink.v_cache, kv_sink.slot_mapping)
-        return qkv_rope.qkv_rope_gemv(
+        fused = qkv_rope.qkv_rope_gemv if one_row else qkv_rope.qkv_rope_rows
+        return fused(
             x, proj.weight, proj.bias, config, positions, rotary.cos, rotary.sin, self.num_heads,
             self.num_kv_heads, self.head_dim, store, w_scale=None if fp8 is None else fp8.scale, pdl=sw.pdl,
         )  # fmt: skip

@@ -551,7 +551,8 @@ class ColumnParallelLinear(_SwitchedLayer):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this linear's product (an MLP's parts "gate" and "up"): on CUDA
         one launch where the rule gives the product to the fma GEMV (the SiLU in its epilogue,
-        `gemv_silu`), otherwise the product, then `silu_and_mul` (the slow twin)."""
+        `gemv_silu`) or, at 5..16 rows, to the gated dot kernel (`fused_16_rows`), otherwise the
+        product, then `silu_and_mul` (the slow twin)."""
         config = self._gated_config(x)
         if config is None:
             return silu_and_mul(self(x), self.switches)
@@ -572,19 +573,34 @@ class ColumnParallelLinear(_SwitchedLayer):
     def small_m_config(self, x: torch.Tensor) -> linear_kernels.LinearConfig | None:
         """The Triton config `linear` or `fp8_linear` runs this product of x with (None: cuBLAS,
         cuBLASLt, the CPU path, or x not a dense 2-byte tensor on CUDA)."""
-        sw = self.switches
-        if not (sw.triton_ops and x.is_cuda and x.stride(-1) == 1 and x.dtype in _HALF_DTYPES):
+        if not self._on_triton(x):
             return None
         fp8 = self.fp8
-        return _small_m_config(x, self.weight, sw) if fp8 is None else _fp8_small_m_config(x, self.weight, fp8)
+        if fp8 is None:
+            return _small_m_config(x, self.weight, self.switches)
+        return _fp8_small_m_config(x, self.weight, fp8)
+
+    def _on_triton(self, x: torch.Tensor) -> bool:
+        """Whether x can enter the Triton products: the switch on, a dense 2-byte x on CUDA."""
+        return self.switches.triton_ops and x.is_cuda and x.stride(-1) == 1 and x.dtype in _HALF_DTYPES
 
     def _gated_config(self, x: torch.Tensor) -> linear_kernels.LinearConfig | None:
-        """The gated GEMV's config for x, or None where the product and SiLU run apart."""
-        if not self.switches.gemv_silu:
-            return None
+        """The gated product's config for x (the fma GEMV's at the rule's fma rows, else the
+        gated dot kernel's), or None where the product and SiLU run apart."""
         if [p.name for p in self.parts] != ["gate", "up"] or self.parts[0].size != self.parts[1].size:
             return None
-        return linear_kernels.gated_config(self.small_m_config(x))
+        config = self.small_m_config(x)
+        if config is not None and config.kernel == "fma":
+            return linear_kernels.gated_config(config) if self.switches.gemv_silu else None
+        return self._gated_dot_config(x) if self.switches.fused_16_rows else None
+
+    def _gated_dot_config(self, x: torch.Tensor) -> linear_kernels.LinearConfig | None:
+        """The gated dot kernel's config for x (`linear_kernels.gated_dot_config`: 5..16 rows,
+        on CUDA, dense weights), or None."""
+        if self.fp8 is not None or not self._on_triton(x) or x.dtype != self.weight.dtype:
+            return None
+        k = x.shape[-1]
+        return linear_kernels.gated_dot_config(x.numel() // k, self.weight.shape[0], k, x.dtype)
 
 
 # Tensor parallelism: row-parallel partial sums are all-reduced in the activation dtype, as
