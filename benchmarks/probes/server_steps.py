@@ -7,7 +7,9 @@ time and every request that got tokens (the moment the engine process sends them
 server). Then `benchmarks/serving.py` runs against it once per `--runs` entry (rate x prompts),
 and at shutdown the engine writes its notes to `$SERVER_STEPS_OUT` (the probe's --trace file).
 Printed per run: the engine-side inter-token p50 / p90 / p99 and per-request maximum, the
-client's, and the steps whose wall time (step return to step return) was over `--bound` ms.
+client's, and the steps whose wall time (step return to step return) was over `--bound` ms,
+each split into the loop's work before the step (messages in, outputs out) and the step()
+call, with the queue's length.
 If the engine side has the client's long gaps, they come from the engine's loop; if not, from
 the API server or the client.
 
@@ -37,12 +39,16 @@ def traced_engine(config):
     from nanoserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
-    notes: list[tuple[float, list[tuple[str, int]]]] = []
+    # (return time, [(request, new tokens)], entry time, waiting, running) per step
+    notes: list[tuple[float, list[tuple[str, int]], float, int, int]] = []
     step, shutdown = engine.step, engine.shutdown
+    sched = engine.scheduler
 
     def traced_step():
+        entered, waiting, running = time.perf_counter(), len(sched.waiting), len(sched.running)
         updates = step()
-        notes.append((time.perf_counter(), [(u.request_id, len(u.new_token_ids)) for u in updates if u.new_token_ids]))
+        got = [(u.request_id, len(u.new_token_ids)) for u in updates if u.new_token_ids]
+        notes.append((time.perf_counter(), got, entered, waiting, running))
         return updates
 
     def traced_shutdown():
@@ -71,7 +77,7 @@ def pct(xs: list[float], q: float) -> float:
 def engine_gaps(notes, start: float, end: float) -> tuple[list[float], dict[str, float]]:
     """Inter-token gaps (ms) of requests whose tokens fall within [start, end], and each one's largest."""
     times: dict[str, list[float]] = {}
-    for t, got in notes:
+    for t, got, *_ in notes:
         if start <= t <= end:
             for rid, n in got:
                 times.setdefault(rid, []).extend([t] * n)
@@ -138,6 +144,14 @@ def main() -> None:
         long = [s for s in steps if s > args.bound]
         print(f"   steps (return to return) {len(steps)}, p50 {pct(steps, .5):.1f} p99 {pct(steps, .99):.1f} ms, "
               f"{len(long)} over {args.bound:g} ms: {sorted(long)[-8:]}")  # fmt: skip
+        # Each long gap split into the engine loop's own work before the step (messages in,
+        # outputs out) and the step() call (schedule, prepare, launch, wait for the tokens).
+        window = [n for n in notes if t0 <= n[0] <= t1]
+        for prev, cur in itertools.pairwise(window):
+            gap = (cur[0] - prev[0]) * 1e3
+            if gap > args.bound:
+                print(f"   at {cur[0] - t0:6.2f} s: {gap:5.1f} ms = loop {(cur[2] - prev[0]) * 1e3:5.1f} + step() "
+                      f"{(cur[0] - cur[2]) * 1e3:5.1f}; waiting {cur[3]}, running {cur[4]}, {len(cur[1])} got tokens")  # fmt: skip
 
 
 if __name__ == "__main__":
