@@ -100,6 +100,8 @@ for s in ${STAGES:-tests offline latency}; do
             --rate ${OVERLOAD_RATE:-32} --num-prompts $n $(echo "$v" | sed 's/^default$//')
         done
       done ;;
+    server_steps)  # the served engine's own token times against the client's (probes/server_steps.py)
+      stage server_steps ${T_SERVER_STEPS:-200} python benchmarks/probes/server_steps.py --runs ${SERVER_STEPS_RUNS:-32x200 32x300} --trace $OUT/server_steps.json ;;
     structured) stage structured ${T_STRUCTURED:-580} python benchmarks/structured.py --repeat ${REPEAT:-10} --no-max-length $STRUCTURED_ARGS ;;
     soak)  # a server under the changing mix for SOAK_S seconds (benchmarks/soak.py); JSON and PNG to $OUT
       stage soak $(( ${SOAK_S:-510} + 80 )) python benchmarks/soak.py --model ${SOAK_MODEL:-smollm2-135m} \

@@ -9,7 +9,8 @@ and at shutdown the engine writes its notes to `$SERVER_STEPS_OUT` (the probe's 
 Printed per run: the engine-side inter-token p50 / p90 / p99 and per-request maximum, the
 client's, and the steps whose wall time (step return to step return) was over `--bound` ms,
 each split into the loop's work before the step (messages in, outputs out) and the step()
-call, with the queue's length.
+call, and of that the processing of the step in flight (which waits for its sampled tokens:
+a long one means a long device step), with the queue's length.
 If the engine side has the client's long gaps, they come from the engine's loop; if not, from
 the API server or the client.
 
@@ -39,17 +40,29 @@ def traced_engine(config):
     from nanoserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
-    # (return time, [(request, new tokens)], entry time, waiting, running) per step
-    notes: list[tuple[float, list[tuple[str, int]], float, int, int]] = []
-    step, shutdown = engine.step, engine.shutdown
+    # (return time, [(request, new tokens)], entry time, waiting, running, ms in _process) per
+    # step; `_process` waits for the step in flight's sampled tokens, so a long one is the device's
+    notes: list[tuple[float, list[tuple[str, int]], float, int, int, float]] = []
+    step, shutdown, process = engine.step, engine.shutdown, engine._process
     sched = engine.scheduler
+    processing = [0.0]
+
+    def timed_process(record):
+        t = time.perf_counter()
+        try:
+            return process(record)
+        finally:
+            processing[0] += time.perf_counter() - t
 
     def traced_step():
         entered, waiting, running = time.perf_counter(), len(sched.waiting), len(sched.running)
+        processing[0] = 0.0
         updates = step()
         got = [(u.request_id, len(u.new_token_ids)) for u in updates if u.new_token_ids]
-        notes.append((time.perf_counter(), got, entered, waiting, running))
+        notes.append((time.perf_counter(), got, entered, waiting, running, processing[0] * 1e3))
         return updates
+
+    engine._process = timed_process
 
     def traced_shutdown():
         with open(os.environ["SERVER_STEPS_OUT"], "w") as f:
@@ -98,7 +111,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--bound", type=float, default=40.0)
     ap.add_argument("--port", type=int, default=8377)
-    ap.add_argument("--trace", default="/tmp/server_steps.json")
+    ap.add_argument(
+        "--trace", default="/tmp/server_steps.json", help="the engine's notes (on a GPU machine: under $OUT)"
+    )
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server child
     args = ap.parse_args()
     if args.serve:
@@ -151,7 +166,8 @@ def main() -> None:
             gap = (cur[0] - prev[0]) * 1e3
             if gap > args.bound:
                 print(f"   at {cur[0] - t0:6.2f} s: {gap:5.1f} ms = loop {(cur[2] - prev[0]) * 1e3:5.1f} + step() "
-                      f"{(cur[0] - cur[2]) * 1e3:5.1f}; waiting {cur[3]}, running {cur[4]}, {len(cur[1])} got tokens")  # fmt: skip
+                      f"{(cur[0] - cur[2]) * 1e3:5.1f} (of which processing, with the wait for the tokens, {cur[5]:5.1f}); "
+                      f"waiting {cur[3]}, running {cur[4]}, {len(cur[1])} got tokens")  # fmt: skip
 
 
 if __name__ == "__main__":
