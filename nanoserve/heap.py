@@ -5,17 +5,17 @@ holds ~60k (the API server's FastAPI, pydantic and tokenizer objects) to ~220k (
 process's torch and transformers) of them that live as long as the process, and each full
 collection then stops the process for tens of milliseconds (on the 2-core dev machine: 41 ms
 for the API server's imports alone, 190-265 ms with a tokenizer and torch loaded). In the API
-server that pause holds every stream's next chunk at once: at 32 req/s on an H200 (dummy
-llama-3.1-8b) the engine's steps kept the inter-token p99 at 37 ms while the clients saw
-65 ms (benchmarks/results/2026-12-02.md). `freeze_startup_heap` moves the start-up objects to
-the permanent generation (`gc.freeze`), so full collections scan only what requests created.
+server that pause holds every stream's next chunk at once. `freeze_startup_heap` moves the
+start-up objects to the permanent generation (`gc.freeze`), so full collections scan only what
+requests created.
 
 Invariant: called once per process, after its long-lived objects exist and before it serves;
 nothing frozen needs collecting later, because the process ends with them.
 
-Freezing is not enough in the API server: at 32 req/s its full collections still took 22-38 ms
-every 4-5 s (nothing collected: hundreds of live streams, their coroutines and their prompts'
-token lists), and each one again held every stream. `DeferredFullCollections` takes full
+Freezing is not enough in the API server: at 32 req/s on an H200 (dummy llama-3.1-8b, 1024-token
+prompts) its full collections still took 22-38 ms every 4-5 s with nothing collected (hundreds
+of live streams, their coroutines and their prompts' token lists; benchmarks/results/2026-12-02.md),
+and each one again held every stream. `DeferredFullCollections` takes full
 collections away from the allocation counter: the server runs one when it has no request in
 flight (at most every `IDLE_AFTER_S`), or every `AT_LEAST_EVERY_S` under load that never
 pauses, one stall every few minutes instead of every few seconds. Young collections (the
