@@ -125,7 +125,7 @@ def timed(llm: LLM, prompts, passes: list[list[SamplingParams]]) -> Run:
     """One timed run: the batch generated once per pass, back to back (more passes, a longer
     run: a round of 64 x 256 lasts ~0.5 s on an H200, where any hiccup moves its rate)."""
     engine = llm.engine
-    engine.mask_fill_s, engine.num_masked_steps = 0.0, 0
+    engine.step_masks.fill_s, engine.step_masks.num_filled = 0.0, 0
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -134,7 +134,7 @@ def timed(llm: LLM, prompts, passes: list[list[SamplingParams]]) -> Run:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     lengths = [[len(c.token_ids) for o in out for c in o.outputs] for out in outs]
-    return Run(sum(map(sum, lengths)), elapsed, engine.mask_fill_s, engine.num_masked_steps, lengths)
+    return Run(sum(map(sum, lengths)), elapsed, engine.step_masks.fill_s, engine.step_masks.num_filled, lengths)
 
 
 def compile_times(llm: LLM) -> tuple[float, float, float]:

@@ -16,13 +16,14 @@ Constrained requests (SamplingParams.structured_outputs): the grammar compiles o
 nanoserve.structured's worker threads while the request waits outside the scheduler (it is
 queued once compiled; a failed compile finishes it with "abort"). Each such sample carries a
 GrammarMatcher that accepts its token when a step is processed; before sampling, the rows of
-constrained requests get a token bitmask filled on the host (every other row allows all),
-which the sampler applies on the device. In the overlap loop the mask needs the previous
-step's tokens, so a step with a constrained row launches its forward first and then
-processes the step in flight (the device runs the forward meanwhile); its masks are filled
-on a mask thread while the next step is scheduled and prepared, and its sampling is queued
-just before that next step's forward. Steps without one keep the plain overlap loop. A
-grammar that ends finishes its request with "stop"; max_tokens before that is "length".
+constrained requests get a token bitmask filled on the host (every other row allows all;
+nanoserve.structured.step_masks), which the sampler applies on the device. In the overlap loop
+the mask needs the previous step's tokens, so a step with a constrained row launches its
+forward first and then processes the step in flight (the device runs the forward meanwhile);
+its masks are filled on a mask thread while the next step is scheduled and prepared, and its
+sampling is queued just before that next step's forward. Steps without one keep the plain
+overlap loop. A grammar that ends finishes its request with "stop"; max_tokens before that is
+"length".
 
 Host cost: in the overlap loop the host prepares step N+1 while the device runs step N, so
 everything `step()` does per request is paid on every step; the decode path keeps it to a
@@ -34,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import sys
 import time
 from concurrent import futures
 
@@ -60,13 +60,12 @@ from nanoserve.scheduler.request import Request
 from nanoserve.scheduler.scheduler import ScheduledBatch, Scheduler
 from nanoserve.step import ForwardInputs
 from nanoserve.structured.compiler import GrammarError, GrammarService, PendingGrammar
-from nanoserve.structured.matcher import GrammarMatcher, bitmask_words, fill_masks
+from nanoserve.structured.matcher import GrammarMatcher
+from nanoserve.structured.step_masks import StepMasks
 from nanoserve.switches import log_nondefault
 from nanoserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("nanoserve")
-
-MASK_SWITCH_INTERVAL_S = 1e-4  # the GIL switch interval while the mask thread fills (see _sample_later)
 
 
 def serve_worker_rank(config: EngineConfig) -> None:
@@ -168,13 +167,9 @@ class LLMEngine:
         self._grammars: GrammarService | None = None  # built on the first constrained request
         self._compiling: list[tuple[Request, PendingGrammar]] = []  # constrained requests not yet queued
         self.num_constrained = 0  # queued requests with a matcher (the step loop skips grammar work at 0)
-        self._mask_host: torch.Tensor | None = None  # int32 [rows, words], pinned on CUDA
-        # the last half-constrained step's rows and its per-row mask word (-1 free, 0 constrained)
-        self._mask_free_rows: tuple[tuple | None, torch.Tensor | None] = (None, None)
-        self._mask_thread: futures.ThreadPoolExecutor | None = None  # fills masks in the overlap loop
-        self._switch_interval = sys.getswitchinterval()  # Python's, restored once a fill is done
-        self.mask_fill_s = 0.0  # host time filling grammar masks (benchmarks/structured.py reads it)
-        self.num_masked_steps = 0
+        self.step_masks = StepMasks(
+            self.device
+        )  # constrained steps' bitmasks (benchmarks/structured.py reads its counters)
         if self.device.type == "cuda" and tp.rank == 0:  # worker ranks follow rank 0's steps
             self._warm_up()
             log_compiles(True)  # what the warm-up missed, as it happens
@@ -460,9 +455,9 @@ class LLMEngine:
         self._add_placeholders(record)
         mask = None
         if record.constrained:
-            rows, host = self._mask_rows(record.reqs)
-            self._fill_host_masks([record.reqs[i].matcher for i in rows], rows, host)
-            mask = self._device_mask(len(record.reqs), rows, host, logits.shape[1])
+            rows, host = self.step_masks.rows(record.reqs, self._grammars.grammar_vocab_size)
+            self.step_masks.fill([record.reqs[i].matcher for i in rows], rows, host)
+            mask = self.step_masks.device_mask(len(record.reqs), rows, host, logits.shape[1])
         self._queue_sampling(record, logits, mask)
 
     def _sample_later(self, record: _InFlight, logits: torch.Tensor) -> None:
@@ -473,31 +468,21 @@ class LLMEngine:
         if not record.reqs:
             return
         self._add_placeholders(record)
-        rows, host = self._mask_rows(record.reqs)
+        rows, host = self.step_masks.rows(record.reqs, self._grammars.grammar_vocab_size)
         record.slots = _on_device([r.slot for r in record.reqs], self.device)
-        if self._mask_thread is None:
-            self._mask_thread = futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
         record.logits = logits
         matchers = [record.reqs[i].matcher for i in rows]  # taken here: an abort clears req.matcher
-        record.masks = self._mask_thread.submit(self._fill_host_masks, matchers, rows, host)
+        record.masks = self.step_masks.submit(matchers, rows, host)
         record.mask_rows, record.mask_host = rows, host
-        # The mask thread needs the GIL to start and to finish its fill, and this thread, busy
-        # preparing the next step, would hand it over only every 5 ms (Python's default switch
-        # interval): far too late. Until `_launch_sampling` it is handed over within 100 us.
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(MASK_SWITCH_INTERVAL_S)
 
     def _launch_sampling(self, record: _InFlight) -> None:
         """Queue the sampling of a step whose masks were filling (`_sample_later`); no-op for
         any other step."""
         if record.masks is None:
             return
-        try:
-            record.masks.result()
-        finally:
-            sys.setswitchinterval(self._switch_interval)
+        self.step_masks.wait(record.masks)
         record.masks = None
-        mask = self._device_mask(len(record.reqs), record.mask_rows, record.mask_host, record.logits.shape[1])
+        mask = self.step_masks.device_mask(len(record.reqs), record.mask_rows, record.mask_host, record.logits.shape[1])
         logits, record.logits = record.logits, None
         self._queue_sampling(record, logits, mask)
 
@@ -531,55 +516,6 @@ class LLMEngine:
                 record.host.copy_(tokens, non_blocking=True)
                 record.event = torch.cuda.Event()
                 record.event.record()
-
-    def _mask_rows(self, reqs: list[Request]) -> tuple[list[int], torch.Tensor]:
-        """The sampling rows that get a grammar mask, and the host buffer (a row per sampling
-        request) they are filled into. The buffer is reused: its previous copy has completed,
-        since the tokens of the step that used it were waited for before this step's masks
-        (see `step`)."""
-        rows = [
-            i for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None and r.matcher.needs_mask
-        ]
-        grammar_words = bitmask_words(self._grammars.grammar_vocab_size)  # the tokenizer's ids only
-        host = self._mask_host
-        if host is None or host.shape[0] < len(reqs) or host.shape[1] != grammar_words:
-            size = max(len(reqs), 2 * (host.shape[0] if host is not None else 8))
-            host = torch.empty(size, grammar_words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-            self._mask_host = host
-        return rows, host
-
-    def _fill_host_masks(self, matchers: list[GrammarMatcher], rows: list[int], host: torch.Tensor) -> None:
-        """Fill matcher i's mask into row rows[i] of `host` (on the mask thread in the overlap
-        loop: no other thread touches these matchers until it has finished); other rows keep
-        whatever they held (`_device_mask` overrides them)."""
-        started = time.perf_counter()
-        fill_masks(matchers, host, rows)
-        self.mask_fill_s += time.perf_counter() - started
-        self.num_masked_steps += 1
-
-    def _device_mask(self, n: int, rows: list[int], host: torch.Tensor, vocab: int) -> torch.Tensor | None:
-        """The bitmask of n sampling rows on the device (None when no row is constrained this
-        step): `host` copied in one piece without a sync; in a step with free rows a per-row
-        word (0 constrained, -1 free) is OR-ed in, so free rows allow every token, ids past
-        the tokenizer's included, as in a step without a grammar. Constrained rows never allow
-        those ids (a model's padding rows: no tokenizer could turn them into text)."""
-        if not rows:
-            return None
-        words, grammar_words = bitmask_words(vocab), host.shape[1]
-        mask = torch.empty((n, words), dtype=torch.int32, device=self.device)
-        mask[:, :grammar_words].copy_(host[:n], non_blocking=True)
-        if len(rows) == n:
-            mask[:, grammar_words:] = 0
-            return mask
-        key = (n, tuple(rows))
-        if self._mask_free_rows[0] != key:  # most steps constrain the same rows as the last one
-            values = torch.full((n,), -1, dtype=torch.int32)
-            values[rows] = 0
-            self._mask_free_rows = (key, values.to(self.device, non_blocking=self.device.type == "cuda")[:, None])
-        per_row = self._mask_free_rows[1]
-        mask[:, :grammar_words] |= per_row
-        mask[:, grammar_words:] = per_row
-        return mask
 
     def _process(self, record: _InFlight) -> list[StepUpdate]:
         """Fill in the sampled tokens of a launched step, apply the stopping rules and

@@ -1,0 +1,102 @@
+"""A step's grammar bitmasks: which sampling rows get one, their host buffer, the fill (on this
+thread or the mask thread) and the device mask the sampler applies.
+
+Owns the pinned host buffer (int32 [rows, words of the tokenizer's ids], grown on demand and
+reused step after step), the mask thread of the overlap loop, the per-row word of the last
+half-constrained step, and the fill counters that benchmarks/structured.py reads.
+
+Invariants:
+- the host buffer is rewritten only after the copy of the step that used it has completed: the
+  engine waits for a step's sampled tokens (which follow its mask's copy on the device) before
+  it fills the next step's masks;
+- while a fill runs on the mask thread no other thread touches its matchers, and the
+  interpreter's switch interval is short (`SWITCH_INTERVAL_S`) until `wait` returns;
+- constrained rows never allow ids past the tokenizer's (a model's padding rows); rows without
+  a grammar in a half-constrained step allow every id, as in a step without one.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent import futures
+
+import torch
+
+from nanoserve.structured.matcher import GrammarMatcher, bitmask_words, fill_masks
+
+# The mask thread needs the GIL to start and to finish its fill, and the engine's thread, busy
+# preparing the next step, would hand it over only every 5 ms (Python's default switch
+# interval): far too late. Until `wait` it is handed over within 100 us.
+SWITCH_INTERVAL_S = 1e-4
+
+
+class StepMasks:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._host: torch.Tensor | None = None
+        self._free_rows: tuple[tuple | None, torch.Tensor | None] = (None, None)  # (n, rows) -> per-row word
+        self._thread: futures.ThreadPoolExecutor | None = None
+        self._switch_interval = sys.getswitchinterval()  # Python's, restored once a fill is done
+        self.fill_s = 0.0  # host time filling masks
+        self.num_filled = 0  # fills (one per masked step)
+
+    def rows(self, reqs, grammar_vocab_size: int) -> tuple[list[int], torch.Tensor]:
+        """The sampling rows of `reqs` that get a mask this step, and the host buffer (a row
+        per sampling request) they are filled into."""
+        rows = [
+            i for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None and r.matcher.needs_mask
+        ]
+        words = bitmask_words(grammar_vocab_size)
+        host = self._host
+        if host is None or host.shape[0] < len(reqs) or host.shape[1] != words:
+            size = max(len(reqs), 2 * (host.shape[0] if host is not None else 8))
+            host = torch.empty(size, words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self._host = host
+        return rows, host
+
+    def fill(self, matchers: list[GrammarMatcher], rows: list[int], host: torch.Tensor) -> None:
+        """Matcher i's mask into row rows[i] of `host`; other rows keep whatever they held
+        (`device_mask` overrides them)."""
+        started = time.perf_counter()
+        fill_masks(matchers, host, rows)
+        self.fill_s += time.perf_counter() - started
+        self.num_filled += 1
+
+    def submit(self, matchers: list[GrammarMatcher], rows: list[int], host: torch.Tensor) -> futures.Future:
+        """`fill` on the mask thread; the caller `wait`s for it before the masks are used."""
+        if self._thread is None:
+            self._thread = futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
+        pending = self._thread.submit(self.fill, matchers, rows, host)
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        return pending
+
+    def wait(self, pending: futures.Future) -> None:
+        try:
+            pending.result()
+        finally:
+            sys.setswitchinterval(self._switch_interval)
+
+    def device_mask(self, n: int, rows: list[int], host: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """The bitmask of n sampling rows on the device (None when no row is constrained):
+        `host` copied in one piece without a sync; in a step with free rows a per-row word (0
+        constrained, -1 free) is OR-ed in, so free rows allow every token, ids past the
+        tokenizer's included. Constrained rows never allow those ids."""
+        if not rows:
+            return None
+        words, grammar_words = bitmask_words(vocab), host.shape[1]
+        mask = torch.empty((n, words), dtype=torch.int32, device=self.device)
+        mask[:, :grammar_words].copy_(host[:n], non_blocking=True)
+        if len(rows) == n:
+            mask[:, grammar_words:] = 0
+            return mask
+        key = (n, tuple(rows))
+        if self._free_rows[0] != key:  # most steps constrain the same rows as the last one
+            values = torch.full((n,), -1, dtype=torch.int32)
+            values[rows] = 0
+            self._free_rows = (key, values.to(self.device, non_blocking=self.device.type == "cuda")[:, None])
+        per_row = self._free_rows[1]
+        mask[:, :grammar_words] |= per_row
+        mask[:, grammar_words:] = per_row
+        return mask
