@@ -190,8 +190,17 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, d
 
 
 MXFP4_GROUP = 32  # weight elements per e8m0 scale (along the depth)
+MXFP4_SCALE_BIAS = 127  # an e8m0 scale byte s is 2^(s - 127)
 # The FP4 E2M1 codes' values, by code: sign bit 3, then 2 exponent bits and 1 mantissa bit.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_weights(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """E2M1 codes [..., G, 32] (int64, element order) and their e8m0 scales [..., G] uint8 -> the
+    weights [..., G * 32] in `dtype` (exact in bf16 and fp32 unless a scale over- or underflows)."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    values = torch.ldexp(table[codes], (scales.to(torch.int32) - MXFP4_SCALE_BIAS).unsqueeze(-1).float())
+    return values.flatten(-2).to(dtype)
 
 
 # The kernels' bit layout of one 32-bit word of a group (`pack_mxfp4`): word q holds the codes of
@@ -231,10 +240,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     for n, (base, sign) in enumerate(_MXFP4_BITS):
         for h in range(2):
             codes[..., h, n, :] = ((words >> (base + 16 * h)) & 7) | (((words >> (sign + 16 * h)) & 1) << 3)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    values = table[codes.flatten(-3)]  # [..., G, 32] in element order
-    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1).float())
-    return values.flatten(-2).to(dtype)
+    return mxfp4_weights(codes.flatten(-3), scales, dtype)  # codes [..., G, 32] in element order
 
 
 @dataclass(frozen=True)

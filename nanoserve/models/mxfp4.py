@@ -28,10 +28,9 @@ from collections.abc import Iterator
 
 import torch
 
-GROUP = 32  # elements per scale
-# The 16 FP4 E2M1 codes' values, by code.
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-SCALE_BIAS = 127
+from nanoserve.kernels.moe import E2M1_VALUES, mxfp4_weights
+from nanoserve.kernels.moe import MXFP4_GROUP as GROUP
+from nanoserve.kernels.moe import MXFP4_SCALE_BIAS as SCALE_BIAS
 
 
 def is_mxfp4_checkpoint(hf_config: dict) -> bool:
@@ -50,7 +49,7 @@ def is_mxfp4_checkpoint(hf_config: dict) -> bool:
 
 
 # Random codes take each of the 16 values equally often: mean square (0 + 0.5^2 + ... + 6^2) / 8.
-_CODE_MEAN_SQUARE = sum(v * v for v in FP4_VALUES) / len(FP4_VALUES)
+_CODE_MEAN_SQUARE = sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES)
 
 
 def dummy_pair(
@@ -77,11 +76,8 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != GROUP // 2:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)}")
-    table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
     codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1)  # [..., G, 16, 2]: low nibble first
-    values = table[codes.long()].flatten(-2)  # [..., G, 32]
-    values = torch.ldexp(values, (scales.to(torch.int32) - SCALE_BIAS).unsqueeze(-1).float())
-    return values.flatten(-2).to(dtype)
+    return mxfp4_weights(codes.flatten(-2).long(), scales, dtype)  # codes [..., G, 32]
 
 
 def dequantized(checkpoint: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype):
