@@ -151,6 +151,18 @@ def fuses_rope(config: LinearConfig | None, head_dim: int) -> bool:
     return config.block_n % 2 == 0 and head_dim % 2 == 0 and (head_dim // 2) % pairs == 0
 
 
+def _kv_store_args(kv_store, x: torch.Tensor, positions: torch.Tensor, num_k_heads: int, head_dim: int) -> tuple:
+    """(k_cache, v_cache, slot_mapping) for the launch, checked; x and positions stand in for
+    the unused pointers without a store."""
+    if kv_store is None:
+        return x, x, positions
+    k_cache, v_cache, slots = kv_store
+    row = (num_k_heads * head_dim, head_dim, 1)
+    if any(c.stride()[1:] != row or c.shape[2:] != (num_k_heads, head_dim) for c in (k_cache, v_cache)):
+        raise ValueError("kv_store needs caches [pages, page_size, Hk, D] dense in their last three dims")
+    return k_cache, v_cache, slots
+
+
 def qkv_rope_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -183,11 +195,7 @@ def qkv_rope_gemv(
         raise ValueError(f"{config} cannot carry the rotation (see fuses_rope)")
     if (w_scale is not None) != (weight.dtype == FP8_WEIGHT) or cos.stride(1) != 1 or sin.stride() != cos.stride():
         raise ValueError("an FP8 weight needs its per-channel w_scale; cos/sin need dense rows")
-    k_cache, v_cache, slots = kv_store if kv_store is not None else (x, x, positions)  # unused without a store
-    if kv_store is not None:
-        row = (num_k_heads * head_dim, head_dim, 1)
-        if any(c.stride()[1:] != row or c.shape[2:] != (num_k_heads, head_dim) for c in (k_cache, v_cache)):
-            raise ValueError("kv_store needs caches [pages, page_size, Hk, D] dense in their last three dims")
+    k_cache, v_cache, slots = _kv_store_args(kv_store, x, positions, num_k_heads, head_dim)
     out = torch.empty(1, rows, dtype=x.dtype, device=x.device)
     pairs = config.block_n // 2
     grid = (rows // (2 * pairs),)
@@ -311,13 +319,9 @@ def qkv_rope_rows(
         raise ValueError(f"{config} is not a split-K config (see fuses_rope_in_sum)")
     if positions.shape[0] < T or cos.stride(1) != 1 or sin.stride() != cos.stride():
         raise ValueError("qkv_rope_rows needs a position per row and dense cos/sin rows")
-    k_cache, v_cache, slots = kv_store if kv_store is not None else (x, x, positions)  # unused without a store
-    if kv_store is not None:
-        row = (num_k_heads * head_dim, head_dim, 1)
-        if any(c.stride()[1:] != row or c.shape[2:] != (num_k_heads, head_dim) for c in (k_cache, v_cache)):
-            raise ValueError("kv_store needs caches [pages, page_size, Hk, D] dense in their last three dims")
-        if slots.shape[0] < T:
-            raise ValueError("kv_store needs a slot per row")
+    k_cache, v_cache, slots = _kv_store_args(kv_store, x, positions, num_k_heads, head_dim)
+    if kv_store is not None and slots.shape[0] < T:
+        raise ValueError("kv_store needs a slot per row")
     out = torch.empty(T, rows, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
