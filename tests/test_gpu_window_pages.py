@@ -54,13 +54,18 @@ def test_fp32_gpu_equals_cpu(model, eager):
     assert (llm.engine.runner.graphs is None) == eager
 
 
-def test_bf16_graphs_equal_eager(model):
-    path, prompts, _ = model
+def assert_bf16_graphs_equal_eager(path, prompts, **engine) -> None:
+    """The same kernels with and without decode graphs: bit-equal greedy tokens in bf16."""
     runs = [
-        tokens(LLM(str(path), device="cuda", dtype="bfloat16", enforce_eager=e, **ENGINE), prompts)
+        tokens(LLM(str(path), device="cuda", dtype="bfloat16", enforce_eager=e, **ENGINE, **engine), prompts)
         for e in (False, True)
     ]
     assert runs[0] == runs[1]
+
+
+def test_bf16_graphs_equal_eager(model):
+    path, prompts, _ = model
+    assert_bf16_graphs_equal_eager(path, prompts)
 
 
 def test_fp32_prefix_cache_hits_equal_cpu(model):
@@ -123,9 +128,6 @@ def test_fp32_mxfp4_experts_equal_cpu(mxfp4_model, eager):
 
 
 def test_bf16_mxfp4_graphs_equal_eager(mxfp4_model):
+    """MXFP4 experts kept packed (the switch is off by default), in bf16: graphs = eager."""
     path, prompts, _ = mxfp4_model
-    runs = [
-        tokens(LLM(str(path), device="cuda", dtype="bfloat16", enforce_eager=e, **ENGINE), prompts)
-        for e in (False, True)
-    ]
-    assert runs[0] == runs[1]
+    assert_bf16_graphs_equal_eager(path, prompts, switches=KernelSwitches(mxfp4_experts=True))

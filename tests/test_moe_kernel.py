@@ -352,6 +352,27 @@ def test_gpu_align_kernel_equals_twin(T, E, k, block_m):
         assert torch.equal(getattr(al, name), getattr(twin, name)), name
 
 
+def assert_graph_replays_bit_equal(layer, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+    """`layer()` (route + fused_moe on `hidden` and `logits`) captured in a CUDA graph and
+    replayed on new inputs, written into those tensors: bit-equal to an eager call each time."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer()
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+        hidden.copy_(torch.randn(hidden.shape, generator=gen, device="cuda"))
+        logits.copy_(torch.randn(logits.shape, generator=gen, device="cuda") * 3)
+        graph.replay()
+        eager = layer()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager)
+
+
 @gpu
 @pytest.mark.parametrize(("T", "E", "k"), [(2, 128, 8), (8, 8, 2), (512, 128, 8), (300, 8, 2)])
 def test_gpu_graph_replay_bit_equal(T, E, k):
@@ -365,22 +386,7 @@ def test_gpu_graph_replay_bit_equal(T, E, k):
         w, ids = moe.route(logits, k, True)
         return moe.fused_moe(hidden, w13, w2, w, ids)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer()
-    for seed in range(3):
-        gen = torch.Generator(device="cuda").manual_seed(seed + 1)
-        hidden.copy_(torch.randn(T, H, generator=gen, device="cuda"))
-        logits.copy_(torch.randn(T, E, generator=gen, device="cuda") * 3)
-        graph.replay()
-        eager = layer()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, eager)
+    assert_graph_replays_bit_equal(layer, hidden, logits)
 
 
 # The ragged shapes of INTERP_SHAPES at few tokens (the interpreter runs the decode path a
@@ -669,19 +675,4 @@ def test_gpu_mxfp4_graph_replay_bit_equal(T):
         w, ids = moe.route(logits, k, True)
         return moe.fused_moe(hidden, w13, w2, w, ids, scales=scales, act=act)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer()
-    for seed in range(3):
-        gen = torch.Generator(device="cuda").manual_seed(seed + 1)
-        hidden.copy_(torch.randn(T, H, generator=gen, device="cuda"))
-        logits.copy_(torch.randn(T, E, generator=gen, device="cuda") * 3)
-        graph.replay()
-        eager = layer()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, eager)
+    assert_graph_replays_bit_equal(layer, hidden, logits)
