@@ -167,9 +167,8 @@ class LLMEngine:
         self._grammars: GrammarService | None = None  # built on the first constrained request
         self._compiling: list[tuple[Request, PendingGrammar]] = []  # constrained requests not yet queued
         self.num_constrained = 0  # queued requests with a matcher (the step loop skips grammar work at 0)
-        self.step_masks = StepMasks(
-            self.device
-        )  # constrained steps' bitmasks (benchmarks/structured.py reads its counters)
+        # Constrained steps' bitmasks (nanoserve/structured/step_masks.py; benchmarks/structured.py reads its counters).
+        self.step_masks = StepMasks(self.device)
         if self.device.type == "cuda" and tp.rank == 0:  # worker ranks follow rank 0's steps
             self._warm_up()
             log_compiles(True)  # what the warm-up missed, as it happens
