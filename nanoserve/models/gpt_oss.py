@@ -4,9 +4,10 @@ Owns: `GptOssMoE` (a router with a bias; experts with biases whose activation is
 SwiGLU) and `checkpoint_target` for its tensors. The rest of gpt-oss is the shared decoder
 (nanoserve/models/decoder.py): biased q/k/v/o projections, attention sinks, sliding-window
 layers alternating with full ones (model_config.py), YaRN rope (layers.py). MXFP4 expert
-weights (nanoserve/models/mxfp4.py) stay packed with NANOSERVE_MXFP4_EXPERTS=1 (`GptOssExperts.use_mxfp4`,
-KernelSwitches.mxfp4_experts, off by default: switches.py says why): w13 and w2 hold the codes in the kernels' layout, w13_scale and
-w2_scale the e8m0 scales, 17/32 byte a weight; with the switch off (the default) they are dequantized at load
+weights (nanoserve/models/mxfp4.py) stay packed with NANOSERVE_MXFP4_EXPERTS=1
+(`GptOssExperts.use_mxfp4`, KernelSwitches.mxfp4_experts, off by default: switches.py says
+why): w13 and w2 hold the codes in the kernels' layout, w13_scale and w2_scale the e8m0
+scales, 17/32 byte a weight; with the switch off (the default) they are dequantized at load
 into the same tensors a bf16 checkpoint holds.
 
 Routing (as Hugging Face's GptOssTopKRouter): logits = x Wr^T + br, the k largest, a softmax
@@ -26,8 +27,8 @@ returns this rank's partial sums; b2 is added by rank 0 only, so the sum holds i
 The experts run as the SiLU experts of moe.py do, with the biases and the clamped SwiGLU
 (`kernels.moe.ClampedSwiGLU`): on CPU `fused_moe_reference` (a loop over the experts tokens
 chose), on CUDA the fused MoE kernels, which read only the chosen experts, where
-KernelSwitches.fused_gpt_oss is on (the default; 13x faster at batch 1 on gpt-oss-20b), else the
-graph-safe sum over every expert (each weighted by the token's routing weight, zero if not
+KernelSwitches.fused_gpt_oss is on (the default; 13x faster at batch 1 on gpt-oss-20b), else
+the graph-safe sum over every expert (each weighted by the token's routing weight, zero if not
 chosen), which reads all of them. Packed MXFP4 experts take the same paths with their scales:
 the kernels decode the codes in registers (kernels/moe.py), the twins dequantize one expert at a
 time. Tensor parallelism slices whole 32-element groups (an expert shard not in whole groups is
