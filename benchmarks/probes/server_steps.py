@@ -40,12 +40,26 @@ def traced_engine(config):
     from nanoserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
-    # (return time, [(request, new tokens)], entry time, waiting, running, ms in _process) per
-    # step; `_process` waits for the step in flight's sampled tokens, so a long one is the device's
-    notes: list[tuple[float, list[tuple[str, int]], float, int, int, float]] = []
+    # (return time, [(request, new tokens)], entry time, waiting, running, ms in _process,
+    # decode rows, prompt tokens of the batch scheduled) per step; `_process` waits for the step
+    # in flight's sampled tokens, so a long one is the device's
+    notes: list[tuple[float, list[tuple[str, int]], float, int, int, float, int, int]] = []
     step, shutdown, process = engine.step, engine.shutdown, engine._process
     sched = engine.scheduler
+    schedule = sched.schedule
     processing = [0.0]
+    scheduled = [(0, 0)]
+
+    def noted_schedule():
+        batch = schedule()
+        if batch is None:
+            scheduled[0] = (0, 0)
+        else:
+            decodes = len(batch.requests) if batch.is_decode else batch.num_decodes
+            scheduled[0] = (decodes, batch.num_tokens - decodes)
+        return batch
+
+    sched.schedule = noted_schedule
 
     def timed_process(record):
         t = time.perf_counter()
@@ -56,10 +70,10 @@ def traced_engine(config):
 
     def traced_step():
         entered, waiting, running = time.perf_counter(), len(sched.waiting), len(sched.running)
-        processing[0] = 0.0
+        processing[0], scheduled[0] = 0.0, (0, 0)
         updates = step()
         got = [(u.request_id, len(u.new_token_ids)) for u in updates if u.new_token_ids]
-        notes.append((time.perf_counter(), got, entered, waiting, running, processing[0] * 1e3))
+        notes.append((time.perf_counter(), got, entered, waiting, running, processing[0] * 1e3, *scheduled[0]))
         return updates
 
     engine._process = timed_process
@@ -167,7 +181,8 @@ def main() -> None:
             if gap > args.bound:
                 print(f"   at {cur[0] - t0:6.2f} s: {gap:5.1f} ms = loop {(cur[2] - prev[0]) * 1e3:5.1f} + step() "
                       f"{(cur[0] - cur[2]) * 1e3:5.1f} (of which processing, with the wait for the tokens, {cur[5]:5.1f}); "
-                      f"waiting {cur[3]}, running {cur[4]}, {len(cur[1])} got tokens")  # fmt: skip
+                      f"waiting {cur[3]}, running {cur[4]}, {len(cur[1])} got tokens; scheduled {cur[6]} decode rows "
+                      f"+ {cur[7]} prompt tokens, the step before {prev[6]} + {prev[7]}")  # fmt: skip
 
 
 if __name__ == "__main__":
