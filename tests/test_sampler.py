@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from nanoserve.engine.sampler import Sampler, SampleRow, apply_penalties, mask_logits
+from nanoserve.engine.sampler import Sampler, SampleRow, apply_penalties, mask_logits, warm_up_row_counts
 from nanoserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -400,3 +400,21 @@ def test_sampler_on_cuda_is_fused_by_default_and_never_syncs(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(tokens[200:], logits[200:].argmax(-1))
+
+
+def test_row_count_warm_up_visits_every_count_largest_first_and_leaves_sampling_exact():
+    """The engine's warm-up (CUDA only there) runs the lm_head and each sampling path at every
+    row count, largest first (the allocator keeps the largest step's blocks); afterwards the
+    sampler still samples as before."""
+    seen = []
+
+    def logits_of(rows):
+        seen.append(rows)
+        return torch.randn(rows, 40)
+
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    warm_up_row_counts(sampler, logits_of, 5)
+    assert seen == [5, 4, 3, 2, 1]
+    logits = torch.randn(3, 40)
+    greedy = [SampleRow(SamplingParams(temperature=0.0), None, [], [])] * 3
+    assert sampler(logits, greedy)[0] == logits.argmax(dim=-1).tolist()

@@ -35,48 +35,72 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repository, run from anywhere
 
 
+PARTS = ("schedule", "prepare", "forward", "sample", "process")  # timed calls inside step()
+
+
 def traced_engine(config):
     """The engine factory: an LLMEngine whose steps note their return time and token updates."""
     from nanoserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
-    # (return time, [(request, new tokens)], entry time, waiting, running, ms in _process,
-    # decode rows, prompt tokens of the batch scheduled) per step; `_process` waits for the step
-    # in flight's sampled tokens, so a long one is the device's
-    notes: list[tuple[float, list[tuple[str, int]], float, int, int, float, int, int]] = []
-    step, shutdown, process = engine.step, engine.shutdown, engine._process
-    sched = engine.scheduler
-    schedule = sched.schedule
-    processing = [0.0]
+    import torch
+
+    # Per step: (return time, [(request, new tokens)], entry time, waiting, running, then ms in
+    # each part of step() (PARTS), device allocations and allocator retries (cudaMalloc, after
+    # freeing the cache), pinned host allocations, decode rows and prompt tokens scheduled).
+    notes: list[tuple] = []
+    sched, runner = engine.scheduler, engine.runner
+    spent = dict.fromkeys(PARTS, 0.0)
     scheduled = [(0, 0)]
 
-    def noted_schedule():
-        batch = schedule()
-        if batch is None:
-            scheduled[0] = (0, 0)
-        else:
+    def timed(owner, name: str, part: str, after=None):
+        inner = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                result = inner(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - t
+            if after is not None:
+                after(result)
+            return result
+
+        setattr(owner, name, call)
+
+    def note_batch(batch):
+        if batch is not None:
             decodes = len(batch.requests) if batch.is_decode else batch.num_decodes
             scheduled[0] = (decodes, batch.num_tokens - decodes)
-        return batch
 
-    sched.schedule = noted_schedule
+    timed(sched, "schedule", "schedule", note_batch)
+    timed(runner, "prepare", "prepare")
+    timed(runner, "execute", "forward")
+    timed(engine.sampler, "sample", "sample")
+    timed(engine, "_process", "process")
 
-    def timed_process(record):
-        t = time.perf_counter()
-        try:
-            return process(record)
-        finally:
-            processing[0] += time.perf_counter() - t
+    def counters() -> tuple[int, int, int]:
+        dev = torch.cuda.memory_stats()
+        host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+        return dev.get("num_device_alloc", -1), dev.get("num_alloc_retries", -1), host.get("num_host_alloc", -1)
+
+    step = engine.step
 
     def traced_step():
         entered, waiting, running = time.perf_counter(), len(sched.waiting), len(sched.running)
-        processing[0], scheduled[0] = 0.0, (0, 0)
+        for part in spent:
+            spent[part] = 0.0
+        scheduled[0] = (0, 0)
+        before = counters()
         updates = step()
+        after = counters()
         got = [(u.request_id, len(u.new_token_ids)) for u in updates if u.new_token_ids]
-        notes.append((time.perf_counter(), got, entered, waiting, running, processing[0] * 1e3, *scheduled[0]))
+        parts = [round(spent[p] * 1e3, 3) for p in PARTS]
+        grew = [b - a for a, b in zip(before, after)]
+        notes.append((time.perf_counter(), got, entered, waiting, running, parts, grew, *scheduled[0]))
         return updates
 
-    engine._process = timed_process
+    shutdown = engine.shutdown
 
     def traced_shutdown():
         with open(os.environ["SERVER_STEPS_OUT"], "w") as f:
@@ -179,10 +203,15 @@ def main() -> None:
         for prev, cur in itertools.pairwise(window):
             gap = (cur[0] - prev[0]) * 1e3
             if gap > args.bound:
+                parts = ", ".join(f"{p} {ms:.1f}" for p, ms in zip(PARTS, cur[5]))
                 print(f"   at {cur[0] - t0:6.2f} s: {gap:5.1f} ms = loop {(cur[2] - prev[0]) * 1e3:5.1f} + step() "
-                      f"{(cur[0] - cur[2]) * 1e3:5.1f} (of which processing, with the wait for the tokens, {cur[5]:5.1f}); "
-                      f"waiting {cur[3]}, running {cur[4]}, {len(cur[1])} got tokens; scheduled {cur[6]} decode rows "
-                      f"+ {cur[7]} prompt tokens, the step before {prev[6]} + {prev[7]}")  # fmt: skip
+                      f"{(cur[0] - cur[2]) * 1e3:5.1f} ({parts}; device allocs +{cur[6][0]}, retries "
+                      f"+{cur[6][1]}, pinned allocs +{cur[6][2]}); waiting {cur[3]}, running {cur[4]}, "
+                      f"{len(cur[1])} got tokens; scheduled {cur[7]} decode rows + {cur[8]} prompt tokens, "
+                      f"the step before {prev[7]} + {prev[8]}")  # fmt: skip
+        allocs = [n[6] for n in window]
+        print(f"   over the run: device allocs +{sum(a[0] for a in allocs)}, retries +{sum(a[1] for a in allocs)}, "
+              f"pinned allocs +{sum(a[2] for a in allocs)}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ few passes over the batch (see benchmarks/probes/host_overhead.py for the per-ph
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -45,7 +46,7 @@ from nanoserve.distributed.tp_runner import agree_kv_plan, init_tensor_parallel,
 from nanoserve.engine.compile_watch import log_compiles
 from nanoserve.engine.model_runner import ModelRunner, kv_capacity, plan_kv_capacity, plan_window_groups
 from nanoserve.engine.pooling import LastTokenPooling
-from nanoserve.engine.sampler import Sampler, SampleRow
+from nanoserve.engine.sampler import Sampler, SampleRow, warm_up_row_counts
 from nanoserve.engine.speculative.proposer import DraftContext
 from nanoserve.engine.speculative.step import Speculator, make_proposer
 from nanoserve.kvcache.pool import PageAllocator, PageTable, pages_for
@@ -195,8 +196,9 @@ class LLMEngine:
         disk) now rather than while they wait: a long prompt in chunks (prefill, then extend
         over its own prefix), a prompt sharing its first half (a prefix-cache hit), a short
         one, decode at batch 1 and 2, greedy and random sampling (torch's sampling path and the
-        fused kernels); under the mixed policy a mixed step. Leaves no trace: every
-        page is freed, the prefix cache emptied and the counters zeroed."""
+        fused kernels); under the mixed policy a mixed step; on CUDA the lm_head and sampler
+        at every row count (`warm_up_row_counts`). Leaves no trace: every page is freed, the
+        prefix cache emptied and the counters zeroed."""
         started = time.perf_counter()
         vocab = self.model_config.vocab_size
         long_len = max(2, min(self.max_model_len - 8, self.config.chunked_prefill_size + 64))
@@ -227,6 +229,11 @@ class LLMEngine:
             self.add_request("warm-up-mixed-1", long_prompt[-21:], greedy, stream=False)
             while self.has_unfinished_requests():
                 self.step()
+        if self.device.type == "cuda" and self.pooling is None and self.config.tensor_parallel_size == 1:
+            # (not under TP: the lm_head's all-gather needs every rank)
+            logits_of = functools.partial(self.runner.logits_of_zeros, dtype=self.dtype)
+            warm_up_row_counts(self.sampler, logits_of, self.config.max_num_seqs)
+            torch.cuda.synchronize(self.device)
         if self.prefix_cache is not None:
             self.prefix_cache.reset()
         self.scheduler.num_preemptions = self.scheduler.num_prefill_tokens = 0

@@ -478,6 +478,13 @@ class ModelRunner:
             hidden = hidden[inputs.logit_rows]
         return self.model.compute_logits(hidden)
 
+    @torch.inference_mode()
+    def logits_of_zeros(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """The logits of `rows` zero hidden states: the tail of an eager step (the lm_head over
+        its sampled rows), which the warm-up runs at every row count."""
+        hidden = torch.zeros(rows, self.model.config.hidden_size, dtype=dtype, device=self.device)
+        return self.model.compute_logits(hidden)
+
     def _linear_states(self, inputs: ForwardInputs) -> LinearStates:
         """The state row of each request of `inputs`: its slot's; a decode graph's padding rows
         (sequence length 0) get the scratch row. A decode step's rows stay on the device (the

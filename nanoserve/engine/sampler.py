@@ -23,6 +23,7 @@ same tokens on both, sampled rows the same distribution (not the same draws).
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -235,3 +236,25 @@ class Sampler:
         for i, gen in seeded:
             noise[i].exponential_(generator=gen)
         return noise
+
+
+# One batch of each sampling path: greedy and plain temperature (the fused kernel), top-p
+# (torch's sort), log-probabilities (log-softmax and top-k).
+_WARM_UP_PARAMS = (
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0.8, top_p=0.9),
+    SamplingParams(temperature=0.0, logprobs=1),
+)
+
+
+def warm_up_row_counts(sampler: Sampler, logits_of: Callable[[int], torch.Tensor], max_rows: int) -> None:
+    """Run the lm_head and every sampling path once at each row count from `max_rows` down
+    to 1. An eager step (a prefill or mixed one) samples any number of rows, and the first
+    step at a row count no earlier step had took twice a step's time in a server (llama-3.1-8b
+    on an H200, 2026-12-02: at 16, 32, 48, ... running requests, each once per process);
+    largest first, so the allocator's cache also holds the largest step's blocks."""
+    for count in range(max_rows, 0, -1):
+        logits = logits_of(count)
+        for params in _WARM_UP_PARAMS:
+            sampler.sample(logits, [SampleRow(params, None, [], [])] * count)
