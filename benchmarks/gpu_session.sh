@@ -4,7 +4,7 @@
 #   STAGES="offline llama latency prefill prefix tests" bash benchmarks/gpu_session.sh
 #   STAGES=serving SERVE_RATES=16,32,inf SERVE_POLICIES=mixed [SERVE_ARGS="--num-prompts 50"] [SERVER_ARGS="--max-queued-requests 64"] bash benchmarks/gpu_session.sh
 #   STAGES=overload OVERLOAD_PROMPTS="200 300 600" OVERLOAD_VARIANTS="default|--burst-start 2|--burst-max-running 32|--growth 1" bash benchmarks/gpu_session.sh
-#   STAGES=structured REPEAT=10 [STRUCTURED_ARGS="--passes 3"] bash benchmarks/gpu_session.sh;  STAGES=soak [SOAK_S=510] bash benchmarks/gpu_session.sh
+#   STAGES=structured REPEAT=10 [STRUCTURED_ARGS="--passes 3"] bash benchmarks/gpu_session.sh;  STAGES=soak [SOAK_S=480] bash benchmarks/gpu_session.sh
 # Wheels the image lacks travel in .whl/ (carry ".whl", install as ../shared/gpu/wheels.sh prints): after
 # `bash ../shared/gpu/wheels.sh`, also `cp /opt/pypi/files/fla_core-0.5.2-py3-none-any.whl
 # /opt/pypi/files/einops-0.8.2-py3-none-any.whl .whl/` (the `gpu` extra: Qwen3.5's prefill through fla-core;
@@ -103,9 +103,10 @@ for s in ${STAGES:-tests offline latency}; do
     server_steps)  # the served engine's own token times against the client's (probes/server_steps.py)
       stage server_steps ${T_SERVER_STEPS:-200} python benchmarks/probes/server_steps.py --runs ${SERVER_STEPS_RUNS:-32x200 32x300} --trace $OUT/server_steps.json ;;
     structured) stage structured ${T_STRUCTURED:-580} python benchmarks/structured.py --repeat ${REPEAT:-10} --no-max-length $STRUCTURED_ARGS ;;
-    soak)  # a server under the changing mix for SOAK_S seconds (benchmarks/soak.py); JSON and PNG to $OUT
-      stage soak $(( ${SOAK_S:-510} + 80 )) python benchmarks/soak.py --model ${SOAK_MODEL:-smollm2-135m} \
-        --duration ${SOAK_S:-510} --cycle 60 --rate ${SOAK_RATE:-30} --burst ${SOAK_BURST:-400} --max-tokens 64 \
+    soak)  # a server under the changing mix for SOAK_S seconds of load (benchmarks/soak.py); JSON and PNG to $OUT.
+      # Start-up comes on top: 62 s for smollm2-135m on a cold machine (2026-12-02), so a 600 s call holds 480 s of load
+      stage soak $(( ${SOAK_S:-480} + 110 )) python benchmarks/soak.py --model ${SOAK_MODEL:-smollm2-135m} \
+        --duration ${SOAK_S:-480} --cycle ${SOAK_CYCLE:-60} --rate ${SOAK_RATE:-30} --burst ${SOAK_BURST:-400} --max-tokens 64 \
         --max-num-seqs 128 --max-queued-requests 128 --queue-timeout 20 \
         --output-json $OUT/soak.json --output-png $OUT/soak.png --server-log $OUT/soak_server.log ;;
     serving) for p in ${SERVE_POLICIES:-mixed prefill-first}; do serve_sweep $p; done ;;  # needs .whl: the default set plus xgrammar

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import math
 import os
@@ -116,15 +117,19 @@ class Outcome:
 
 
 class Server:
-    """`nanoserve serve` in a subprocess; its log gives the URL and the engine's pid."""
+    """`nanoserve serve` in a subprocess; its log gives the URL and the engine's pid. It runs
+    in its own session (a Ctrl-C to the soak does not reach it mid-load), so it is stopped at
+    exit whatever ends the soak: a SIGTERM too (`stop_servers_on_term`), as `timeout` sends;
+    an orphaned server kept a GPU's memory (2026-12-02)."""
 
-    def __init__(self, args: list[str], log_path: str | None):
-        cmd = [sys.executable, "-m", "nanoserve", "serve", *args, "--port", "0"]
+    def __init__(self, args: list[str], log_path: str | None, cmd: list[str] | None = None):
+        cmd = cmd or [sys.executable, "-m", "nanoserve", "serve", *args, "--port", "0"]
         self.lines: list[str] = []
         self.log_path = log_path
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
+        atexit.register(self.stop)
         threading.Thread(target=self._read, daemon=True).start()
         self.url: str | None = None
         self.engine_pid: int | None = None
@@ -166,6 +171,11 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+def stop_servers_on_term() -> None:
+    """A SIGTERM ends the soak as an exception would, so its servers stop at exit."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def rss_mb(pid: int) -> float | None:
@@ -688,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.duration < 3 * args.cycle:
         raise SystemExit("--duration must hold at least three cycles (a warm-up, a first and a last)")
+    stop_servers_on_term()
     report = asyncio.run(amain(args))
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -11,8 +11,11 @@ walked away mid-stream."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,3 +53,27 @@ def test_soak_on_cpu(tmp_path):
     assert sum(w["refused_503"] for w in report["windows"]) > 0, "no burst went above capacity"
     counters = report["counters_after"]
     assert counters["nanoserve_request_slots_free"] == counters["nanoserve_request_slots_total"] == 8
+
+
+def test_a_terminated_soak_stops_its_server():
+    """`timeout` ends a soak with SIGTERM: its server (in a session of its own, so no signal to
+    the soak reaches it) must not outlive it, holding a GPU."""
+    script = (
+        "import sys, time; sys.path.insert(0, 'benchmarks'); import soak; soak.stop_servers_on_term(); "
+        "s = soak.Server([], None, cmd=[sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print(s.proc.pid, flush=True); time.sleep(60)"
+    )
+    soak = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    server_pid = int(soak.stdout.readline())
+    os.kill(server_pid, 0)  # running
+    soak.send_signal(signal.SIGTERM)
+    assert soak.wait(30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(server_pid, signal.SIGKILL)
+    raise AssertionError("the soak's server outlived a SIGTERM to the soak")
