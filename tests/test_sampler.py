@@ -413,8 +413,10 @@ def test_row_count_warm_up_visits_every_count_largest_first_and_leaves_sampling_
         return torch.randn(rows, 40)
 
     sampler = Sampler(torch.device("cpu"), seed=0)
-    warm_up_row_counts(sampler, logits_of, 5)
+    pool = torch.full((4,), 7, dtype=torch.long)
+    warm_up_row_counts(sampler, logits_of, 5, pool)
     assert seen == [5, 4, 3, 2, 1]
+    assert not pool.any()  # its tokens were stored and then cleared
     logits = torch.randn(3, 40)
     greedy = [SampleRow(SamplingParams(temperature=0.0), None, [], [])] * 3
     assert sampler(logits, greedy)[0] == logits.argmax(dim=-1).tolist()

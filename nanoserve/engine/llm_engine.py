@@ -232,7 +232,7 @@ class LLMEngine:
         if self.device.type == "cuda" and self.pooling is None and self.config.tensor_parallel_size == 1:
             # (not under TP: the lm_head's all-gather needs every rank)
             logits_of = functools.partial(self.runner.logits_of_zeros, dtype=self.dtype)
-            warm_up_row_counts(self.sampler, logits_of, self.config.max_num_seqs)
+            warm_up_row_counts(self.sampler, logits_of, self.config.max_num_seqs, self.runner.token_pool)
             torch.cuda.synchronize(self.device)
         if self.prefix_cache is not None:
             self.prefix_cache.reset()

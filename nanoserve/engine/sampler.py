@@ -239,22 +239,33 @@ class Sampler:
 
 
 # One batch of each sampling path: greedy and plain temperature (the fused kernel), top-p
-# (torch's sort), log-probabilities (log-softmax and top-k).
+# (torch's sort), log-probabilities (log-softmax and top-k); the fused ones also under a
+# structured output's bitmask (every word allowed).
 _WARM_UP_PARAMS = (
-    SamplingParams(temperature=0.0),
-    SamplingParams(temperature=0.7),
-    SamplingParams(temperature=0.8, top_p=0.9),
-    SamplingParams(temperature=0.0, logprobs=1),
+    (SamplingParams(temperature=0.0), False),
+    (SamplingParams(temperature=0.7), False),
+    (SamplingParams(temperature=0.8, top_p=0.9), False),
+    (SamplingParams(temperature=0.0, logprobs=1), False),
+    (SamplingParams(temperature=0.0), True),
+    (SamplingParams(temperature=0.7), True),
 )
 
 
-def warm_up_row_counts(sampler: Sampler, logits_of: Callable[[int], torch.Tensor], max_rows: int) -> None:
+def warm_up_row_counts(
+    sampler: Sampler, logits_of: Callable[[int], torch.Tensor], max_rows: int, pool: torch.Tensor | None = None
+) -> None:
     """Run the lm_head and every sampling path once at each row count from `max_rows` down
-    to 1. An eager step (a prefill or mixed one) samples any number of rows, and the first
-    step at a row count no earlier step had took twice a step's time in a server (llama-3.1-8b
-    on an H200, 2026-12-02: at 16, 32, 48, ... running requests, each once per process);
+    to 1, storing the tokens in `pool` (the runner's token pool, zeroed afterwards) as steps
+    do. An eager step (a prefill or mixed one) samples any number of rows, and the first step
+    at a row count no earlier step had took twice a step's time in a server (llama-3.1-8b on
+    an H200, 2026-12-02: at 16, 32, 48, ... running requests, each once per process);
     largest first, so the allocator's cache also holds the largest step's blocks."""
     for count in range(max_rows, 0, -1):
         logits = logits_of(count)
-        for params in _WARM_UP_PARAMS:
-            sampler.sample(logits, [SampleRow(params, None, [], [])] * count)
+        words = torch.full((count, -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=logits.device)
+        slots = None if pool is None else (pool, torch.arange(count, device=pool.device) % pool.numel())
+        for params, masked in _WARM_UP_PARAMS:
+            rows = [SampleRow(params, None, [], [])] * count
+            sampler.sample(logits, rows, words if masked else None, pool=slots)
+    if pool is not None:
+        pool.zero_()
