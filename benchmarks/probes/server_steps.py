@@ -9,12 +9,14 @@ and at shutdown the engine writes its notes to `$SERVER_STEPS_OUT` (the probe's 
 Printed per run: the engine-side inter-token p50 / p90 / p99 and per-request maximum, the
 client's, and the steps whose wall time (step return to step return) was over `--bound` ms,
 each split into the loop's work before the step (messages in, outputs out) and the step()
-call, and of that the processing of the step in flight (which waits for its sampled tokens:
-a long one means a long device step), with the queue's length.
+call, that by part (schedule, prepare, forward launch, sample, and the processing of the step
+in flight, which waits for its sampled tokens: a long one means a long device step), with the
+device and pinned allocations it made, the queue's length and the batch it scheduled.
 If the engine side has the client's long gaps, they come from the engine's loop; if not, from
-the API server or the client.
+the API server or the client. Found with it (2026-12-02): the first step at each new count of
+running requests took twice a step, until the warm-up ran every row count.
 
-    python benchmarks/probes/server_steps.py --runs 32x200 32x300 16x200
+    python benchmarks/probes/server_steps.py --runs 16x200 32x200 32x300 32x600
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def traced_engine(config):
     timed(engine, "_process", "process")
 
     def counters() -> tuple[int, int, int]:
+        if not torch.cuda.is_available():
+            return -1, -1, -1
         dev = torch.cuda.memory_stats()
         host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
         return dev.get("num_device_alloc", -1), dev.get("num_alloc_retries", -1), host.get("num_host_alloc", -1)
