@@ -260,12 +260,16 @@ def warm_up_row_counts(
     at a row count no earlier step had took twice a step's time in a server (llama-3.1-8b on
     an H200, 2026-12-02: at 16, 32, 48, ... running requests, each once per process);
     largest first, so the allocator's cache also holds the largest step's blocks."""
+    words = slots = None  # every word allowed, and the pool's slots: made at the largest count, sliced
     for count in range(max_rows, 0, -1):
         logits = logits_of(count)
-        words = torch.full((count, -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=logits.device)
-        slots = None if pool is None else (pool, torch.arange(count, device=pool.device) % pool.numel())
+        if words is None:
+            words = torch.full((count, -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=logits.device)
+            if pool is not None:
+                slots = torch.arange(count, device=pool.device) % pool.numel()
+        into = None if pool is None else (pool, slots[:count])
         for params, masked in _WARM_UP_PARAMS:
             rows = [SampleRow(params, None, [], [])] * count
-            sampler.sample(logits, rows, words if masked else None, pool=slots)
+            sampler.sample(logits, rows, words[:count] if masked else None, pool=into)
     if pool is not None:
         pool.zero_()
