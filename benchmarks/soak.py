@@ -118,9 +118,9 @@ class Outcome:
 
 class Server:
     """`nanoserve serve` in a subprocess; its log gives the URL and the engine's pid. It runs
-    in its own session (a Ctrl-C to the soak does not reach it mid-load), so it is stopped at
-    exit whatever ends the soak: a SIGTERM too (`stop_servers_on_term`), as `timeout` sends;
-    an orphaned server kept a GPU's memory (2026-12-02)."""
+    in a session of its own (`stop` can kill the whole group), so no signal to the soak reaches
+    it: it is stopped at exit whatever ends the soak, a SIGTERM as `timeout` sends too
+    (`stop_servers_on_term`); an orphaned server kept a GPU's memory (2026-12-02)."""
 
     def __init__(self, args: list[str], log_path: str | None, cmd: list[str] | None = None):
         cmd = cmd or [sys.executable, "-m", "nanoserve", "serve", *args, "--port", "0"]
