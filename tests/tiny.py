@@ -188,6 +188,22 @@ def random_prompts(num: int, seed: int = 0, min_len: int = 3, max_len: int = 80)
     return [[rng.randrange(VOCAB) for _ in range(n)] for n in lengths]
 
 
+# Below this gap between a greedy position's two most likely tokens (fp32 log-probabilities),
+# another correct kernel's rounding can flip the token: exact-token tests need data above it.
+NEAR_TIE = 1e-4
+
+
+def smallest_margin(outputs) -> float:
+    """The smallest gap between the top two log-probabilities over every generated position of
+    `outputs` (`LLM.generate` results of a request with logprobs >= 2)."""
+    gaps = []
+    for out in outputs:
+        for lp in out.outputs[0].logprobs:
+            first, second = sorted(lp.top.values(), reverse=True)[:2]
+            gaps.append(first - second)
+    return min(gaps)
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
