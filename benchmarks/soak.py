@@ -20,14 +20,17 @@ Checked, and printed as one line each (exit code 1 if any fails):
 - the server's and engine's resident memory (and GPU memory, from nvidia-smi, on a GPU) grew
   by at most `--max-growth` from the first cycle after warm-up to the last;
 - the p99 inter-token latency of the last cycle is within `--latency-tolerance` of the first
-  cycle after warm-up (the first cycle is the warm-up; every cycle has the same schedule);
+  cycle after warm-up (the first cycle is the warm-up; every cycle replays the same schedule,
+  the same requests at the same offsets), over the requests sent in the steady phase before the
+  burst (`--latency-phase cycle`: the whole cycle; each cycle's row has both, and the client's
+  own event-loop lag, which bounds what its latencies can say about the server);
 - the server's log holds no traceback and no ERROR line.
 
     python benchmarks/soak.py --duration 1800 --output-json soak.json --output-png soak.png
     python benchmarks/soak.py --model qwen3-0.6b --load-format dummy --duration 540 --rate 40 \\
         --burst 600 --max-num-seqs 256 --max-queued-requests 256 --max-tokens 128
 
-A 48-second CPU version runs in CI (tests/test_soak.py). A 30-minute CPU run with
+A 45-second CPU version runs in CI (tests/test_soak.py). A 30-minute CPU run with
 smollm2-135m: benchmarks/results/2026-11-28.md.
 """
 
@@ -392,9 +395,16 @@ def phase_at(t_in_cycle: float, cycle: float) -> str:
     return "steady" if x < 0.5 else ("after burst" if x < 0.75 else "idle")
 
 
-async def drive(client: Client, args, samples: list[dict], server: Server | None) -> list[Outcome]:
+async def drive(
+    client: Client, args, samples: list[dict], lags: list[tuple[float, float]], server: Server | None
+) -> list[Outcome]:
+    """The load; every cycle replays the same schedule (kinds, bodies, arrival gaps: the random
+    draws restart from --seed), so that cycles differ only by what the server does. Also
+    samples the client's own event-loop lag (`lags`: (t, ms late) of a 10 ms sleep), which
+    bounds what the client's latencies can tell about the server."""
     rng = random.Random(args.seed)
     deck: list[str] = []
+    cycle_seeded = -1
 
     def next_kind() -> str:
         """Kinds dealt from a shuffled deck of KINDS' weights: every kind within each len(deck) requests."""
@@ -421,12 +431,23 @@ async def drive(client: Client, args, samples: list[dict], server: Server | None
             samples.append(row)
             await asyncio.sleep(args.sample_every)
 
+    async def sample_lag() -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(0.01)
+            lags.append((round(before - t0, 3), (time.perf_counter() - before - 0.01) * 1e3))
+
     sampler = asyncio.create_task(sample_memory())
+    lag_sampler = asyncio.create_task(sample_lag())
     burst_done: set[int] = set()
     try:
         while (now := time.perf_counter() - t0) < args.duration:
             c = int(now // args.cycle)
             in_cycle = now - c * args.cycle
+            if c != cycle_seeded:
+                cycle_seeded = c
+                rng.seed(args.seed)
+                deck.clear()
             if in_cycle >= args.cycle / 2 and c not in burst_done:
                 burst_done.add(c)
                 for _ in range(args.burst):
@@ -441,6 +462,7 @@ async def drive(client: Client, args, samples: list[dict], server: Server | None
         return list(await asyncio.gather(*tasks))
     finally:
         sampler.cancel()
+        lag_sampler.cancel()
 
 
 # /metrics gauges that are zero once the server has nothing to do
@@ -484,14 +506,19 @@ def pct(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def windows(outcomes: list[Outcome], samples: list[dict], cycle: float, duration: float) -> list[dict]:
-    """Per cycle: requests by outcome, latency percentiles (ms), memory (median MB)."""
+def windows(
+    outcomes: list[Outcome], samples: list[dict], cycle: float, duration: float, lags: list[tuple[float, float]] = ()
+) -> list[dict]:
+    """Per cycle: requests by outcome, latency percentiles (ms; `itl_p99_steady_ms` over the
+    requests sent in the steady phase before the burst), the client's loop lag, memory (median MB)."""
     rows = []
     for c in range(max(1, round(duration / cycle))):
         lo, hi = c * cycle, (c + 1) * cycle
         mine = [o for o in outcomes if lo <= o.t < hi]
         ok = [o for o in mine if o.ok and not o.refused]
         itl = [x * 1e3 for o in ok for x in o.itl]
+        steady = [x * 1e3 for o in ok if phase_at(o.t - lo, cycle) == "steady" for x in o.itl]
+        lag = [ms for t, ms in lags if lo <= t < hi]
         ttft = [o.ttft * 1e3 for o in ok if o.ttft is not None]
         e2e = [o.e2e * 1e3 for o in ok]
         row = {
@@ -503,6 +530,9 @@ def windows(outcomes: list[Outcome], samples: list[dict], cycle: float, duration
             "failed": sum(not o.ok for o in mine),
             "itl_p50_ms": pct(itl, 0.5),
             "itl_p99_ms": pct(itl, 0.99),
+            "itl_p99_steady_ms": pct(steady, 0.99),
+            "client_lag_p99_ms": pct(lag, 0.99),
+            "client_lag_max_ms": max(lag, default=None),
             "ttft_p99_ms": pct(ttft, 0.99),
             "e2e_p99_ms": pct(e2e, 0.99),
         }
@@ -520,6 +550,13 @@ def growth_check(rows: list[dict], key: str, limit: float) -> tuple[bool, str] |
         return None
     growth = last / first - 1
     return growth <= limit, f"{key}: {first:.0f} -> {last:.0f} MB ({growth:+.1%}, limit {limit:+.0%})"
+
+
+# The latency check's figure per --latency-phase: "steady" (the default) leaves out the burst,
+# whose requests queue above capacity by design and whose ITL moved 18-60 ms from cycle to cycle
+# in the 9-minute GPU soak of 2026-12-02 (p50 0.7-0.9 ms), so that it compares the server's
+# decode latency and not where a burst's stalls fall against the 99th percentile.
+LATENCY_KEYS = {"steady": "itl_p99_steady_ms", "cycle": "itl_p99_ms"}
 
 
 def checks(outcomes, rows, counters, server_log: str, args) -> dict[str, tuple[bool, str]]:
@@ -552,15 +589,17 @@ def checks(outcomes, rows, counters, server_log: str, args) -> dict[str, tuple[b
     for key in ("rss_mb_server", "rss_mb_engine", "gpu_mb"):
         if (res := growth_check(rows, key, args.max_growth)) is not None:
             out[f"{key} flat"] = res
-    first, last = rows[1]["itl_p99_ms"], rows[-1]["itl_p99_ms"]
+    key = LATENCY_KEYS[args.latency_phase]
+    name = f"ITL p99 ({args.latency_phase}) of the last cycle near the first"
+    first, last = rows[1][key], rows[-1][key]
     if first and last:
         change = last / first - 1
-        out["ITL p99 of the last cycle near the first"] = (
+        out[name] = (
             abs(change) <= args.latency_tolerance,
             f"{first:.1f} -> {last:.1f} ms ({change:+.1%}, tolerance {args.latency_tolerance:.0%})",
         )
     else:
-        out["ITL p99 of the last cycle near the first"] = (False, f"no streamed tokens to compare ({first}, {last})")
+        out[name] = (False, f"no streamed tokens to compare ({first}, {last})")
     bad_lines = [line for line in server_log.splitlines() if "Traceback" in line or " ERROR " in line]
     out["no error in the server log"] = (not bad_lines, bad_lines[0][:200] if bad_lines else "none")
     return out
@@ -631,14 +670,15 @@ async def amain(args) -> dict:
             card = (await http.get("/v1/models")).json()["data"][0]
             client = Client(http, card["id"], args.max_tokens, card.get("max_model_len") or 2048)
             samples: list[dict] = []
+            lags: list[tuple[float, float]] = []
             print(f"soak: {card['id']} at {base}, {args.duration:g} s in cycles of {args.cycle:g} s", flush=True)
-            outcomes = await drive(client, args, samples, server)
+            outcomes = await drive(client, args, samples, lags, server)
             counters = await wait_idle(http, 60)
             healthy = (await http.get("/health")).status_code == 200
     finally:
         log = server.log if server else ""
         code = server.stop() if server else None
-    rows = windows(outcomes, samples, args.cycle, args.duration)
+    rows = windows(outcomes, samples, args.cycle, args.duration, lags)
     result = checks(outcomes, rows, counters, log, args)
     result["healthy at the end, clean exit"] = (
         healthy and code in (None, 0),
@@ -647,7 +687,8 @@ async def amain(args) -> dict:
     for r in rows:
         print(
             f"cycle {r['window']:3d} at {r['start_s']:6.0f} s: {r['requests']:4d} requests, {r['refused_503']:3d} 503, "
-            f"{r['failed']} failed; ITL p50/p99 {r['itl_p50_ms'] or 0:7.1f} / {r['itl_p99_ms'] or 0:7.1f} ms, "
+            f"{r['failed']} failed; ITL p50/p99 {r['itl_p50_ms'] or 0:7.1f} / {r['itl_p99_ms'] or 0:7.1f} ms "
+            f"(steady p99 {r['itl_p99_steady_ms'] or 0:.1f}; client lag max {r['client_lag_max_ms'] or 0:.0f}), "
             f"TTFT p99 {r['ttft_p99_ms'] or 0:7.0f} ms; RSS server {r['rss_mb_server'] or 0:.0f} MB, "
             f"engine {r['rss_mb_engine'] or 0:.0f} MB" + (f", GPU {r['gpu_mb']:.0f} MB" if r["gpu_mb"] else "")
         )
@@ -691,6 +732,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-every", type=float, default=1.0, help="seconds between memory samples")
     ap.add_argument("--max-growth", type=float, default=0.05, help="allowed memory growth after warm-up (0.05)")
     ap.add_argument("--latency-tolerance", type=float, default=0.2, help="allowed ITL p99 change, last vs first")
+    ap.add_argument(
+        "--latency-phase",
+        choices=sorted(LATENCY_KEYS),
+        default="steady",
+        help="the ITL p99 that check compares: of the steady phase before the burst (default), or the whole cycle",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-log", default=None, help="also write the server's log to this file")
     ap.add_argument("--output-json", default=None)
