@@ -5,6 +5,7 @@
 #   STAGES=serving SERVE_RATES=16,32,inf SERVE_POLICIES=mixed [SERVE_ARGS="--num-prompts 50"] [SERVER_ARGS="--max-queued-requests 64"] bash benchmarks/gpu_session.sh
 #   STAGES=overload OVERLOAD_PROMPTS="200 300 600" OVERLOAD_VARIANTS="default|--burst-start 2|--burst-max-running 32|--growth 1" bash benchmarks/gpu_session.sh
 #   STAGES=structured REPEAT=10 [STRUCTURED_ARGS="--passes 3"] bash benchmarks/gpu_session.sh;  STAGES=soak [SOAK_S=480] bash benchmarks/gpu_session.sh
+#   9 minutes over two calls: STAGES=soak_start SOAK_S=540 bash benchmarks/gpu_session.sh, then STAGES=soak_collect bash benchmarks/gpu_session.sh
 # Wheels the image lacks travel in .whl/ (carry ".whl", install as ../shared/gpu/wheels.sh prints): after
 # `bash ../shared/gpu/wheels.sh`, also `cp /opt/pypi/files/fla_core-0.5.2-py3-none-any.whl
 # /opt/pypi/files/einops-0.8.2-py3-none-any.whl .whl/` (the `gpu` extra: Qwen3.5's prefill through fla-core;
@@ -38,6 +39,18 @@ serve_sweep() {  # policy: a dummy $SERVE_MODEL server, swept at $SERVE_RATES; J
   local rc=$?
   kill $pid; wait $pid
   echo "===== serving[$policy] rc=$rc in $((SECONDS - t0)) s" >> $LOG
+}
+soak_args() {  # the GPU soak's arguments, its files into $1
+  echo --model ${SOAK_MODEL:-smollm2-135m} --duration ${SOAK_S:-480} --cycle ${SOAK_CYCLE:-60} --rate ${SOAK_RATE:-30} \
+    --burst ${SOAK_BURST:-400} --max-tokens 64 --max-num-seqs 128 --max-queued-requests 128 --queue-timeout 20 \
+    --output-json $1/soak.json --output-png $1/soak.png --server-log $1/soak_server.log
+}
+soak_wait() {  # until the detached soak is done (or $1 s), then its files to $OUT and its report to the log
+  local t0=$SECONDS
+  until [ -f /tmp/soak/done ] || [ $((SECONDS - t0)) -ge $1 ]; do sleep 1; done
+  cp /tmp/soak/* $OUT/ 2> /dev/null
+  echo "===== soak: $([ -f /tmp/soak/done ] && echo "done, rc=$(cat /tmp/soak/done)" || echo "still running") after $((SECONDS - t0)) s" >> $LOG
+  tail -25 /tmp/soak/soak.out >> $LOG 2> /dev/null
 }
 SERVE_MODEL=${SERVE_MODEL:-llama-3.1-8b}
 for s in ${STAGES:-tests offline latency}; do
@@ -109,14 +122,18 @@ for s in ${STAGES:-tests offline latency}; do
       stage server_steps ${T_SERVER_STEPS:-200} python benchmarks/probes/server_steps.py --runs ${SERVER_STEPS_RUNS:-32x200 32x300} --trace $OUT/server_steps.json ;;
     structured) stage structured ${T_STRUCTURED:-580} python benchmarks/structured.py --repeat ${REPEAT:-10} --no-max-length $STRUCTURED_ARGS ;;
     soak)  # a server under the changing mix for SOAK_S seconds of load (benchmarks/soak.py); JSON and PNG to $OUT.
-      # Start-up comes on top: 62 s for smollm2-135m on a cold machine (2026-12-02), so a 600 s call holds 480 s of load
-      stage soak $(( ${SOAK_S:-480} + 110 )) python benchmarks/soak.py --model ${SOAK_MODEL:-smollm2-135m} \
-        --duration ${SOAK_S:-480} --cycle ${SOAK_CYCLE:-60} --rate ${SOAK_RATE:-30} --burst ${SOAK_BURST:-400} --max-tokens 64 \
-        --max-num-seqs 128 --max-queued-requests 128 --queue-timeout 20 \
-        --output-json $OUT/soak.json --output-png $OUT/soak.png --server-log $OUT/soak_server.log ;;
+      # Start-up comes on top: 42-62 s for smollm2-135m (2026-12-02), so a 600 s call holds 480 s of load
+      stage soak $(( ${SOAK_S:-480} + 110 )) python benchmarks/soak.py $(soak_args $OUT) ;;
+    soak_start)  # the 9-minute soak (SOAK_S=540), which outlives one call: started in a session of its own, waited
+      # for up to SOAK_WAIT s; then `STAGES=soak_collect` in the next call, made at once (a machine idles out after 30 s)
+      mkdir -p /tmp/soak && rm -f /tmp/soak/done
+      setsid nohup bash -c "python benchmarks/soak.py $(soak_args /tmp/soak) > /tmp/soak/soak.out 2>&1; echo \$? > /tmp/soak/done" \
+        < /dev/null > /dev/null 2>&1 &
+      soak_wait ${SOAK_WAIT:-555} ;;
+    soak_collect) soak_wait ${SOAK_WAIT:-150} ;;
     serving) for p in ${SERVE_POLICIES:-mixed prefill-first}; do serve_sweep $p; done ;;  # needs .whl: the default set plus xgrammar
     sampler) stage sampler_tests ${T_SAMPLER_TESTS:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_sampler.py
              stage sampler_bench 120 python benchmarks/probes/sampler_bench.py ;;
   esac
 done
-grep -E "^=====|tok/s|TPOT|passed|failed|error|identical|x$|skipped|SKIPPED|Gated DeltaNet prefill|fla vs twin|relative:" $LOG | tail -n 90
+grep -E "^=====|^cycle |^\[ok\]|^\[FAIL\]|tok/s|TPOT|passed|failed|error|identical|x$|skipped|SKIPPED|Gated DeltaNet prefill|fla vs twin|relative:" $LOG | tail -n 90

@@ -615,8 +615,16 @@ def plot(report: dict, path: str) -> None:
     mid = [r["start_s"] / 60 + report["config"]["cycle"] / 120 for r in rows]
     fig, axes = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
     ax = axes[0]
-    for key, style in (("itl_p50_ms", "o-"), ("itl_p99_ms", "^-"), ("ttft_p99_ms", "s--"), ("e2e_p99_ms", "d:")):
-        ax.plot(mid, [r[key] for r in rows], style, label=key.replace("_ms", ""))
+    series = (
+        ("itl_p50_ms", "o-"),
+        ("itl_p99_ms", "^-"),
+        ("itl_p99_steady_ms", "v-"),
+        ("client_lag_max_ms", "x:"),
+        ("ttft_p99_ms", "s--"),
+        ("e2e_p99_ms", "d:"),
+    )
+    for key, style in series:
+        ax.plot(mid, [r.get(key) for r in rows], style, label=key.replace("_ms", ""))
     ax.set_yscale("log")
     ax.set_ylabel("ms (per cycle)")
     ax.legend()
@@ -626,6 +634,7 @@ def plot(report: dict, path: str) -> None:
         pts = [(s["t"] / 60, s[key]) for s in samples if s.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), label=key)
+    ax.set_yscale("log")  # GPU memory is a hundred times the processes' RSS
     ax.set_ylabel("MB")
     ax.legend()
     ax.grid(True, alpha=0.3)
