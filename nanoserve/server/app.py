@@ -45,7 +45,7 @@ from nanoserve.server import protocol as p
 from nanoserve.server.chat_features import ChatFeatures, ChoiceDelta
 from nanoserve.server.embeddings import add_embedding_routes
 from nanoserve.server.gateway_info import add_gateway_routes
-from nanoserve.server.generation import Generation, SampleDelta, collect
+from nanoserve.server.generation import Generation, SampleDelta, coalesced, collect
 from nanoserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from nanoserve.server.responses import add_responses_routes
 
@@ -291,8 +291,8 @@ def build_app(state: ServerState) -> FastAPI:
     def stream(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
         async def body():
             try:
-                async for event in events:
-                    yield event
+                async for chunk in coalesced(events, gen):
+                    yield chunk
             except p.RequestError as exc:
                 # The engine died mid-stream: say so and end without [DONE], so no client takes
                 # the cut-off answer for a complete one.

@@ -43,7 +43,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from nanoserve.server import protocol as p
 from nanoserve.server.chat_features import ChoiceDelta
-from nanoserve.server.generation import collect
+from nanoserve.server.generation import coalesced, collect
 
 DEFAULT_STORE_ENTRIES = 1024  # responses kept for previous_response_id and GET
 
@@ -565,7 +565,7 @@ def add_responses_routes(router: APIRouter, edge, store: ResponseStore | None = 
             yield {"type": f"response.{body['status']}", "response": body}
 
         return StreamingResponse(
-            _sse(events(), gen), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            coalesced(_sse(events(), gen), gen), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
     @router.get("/v1/responses/{response_id}")
