@@ -32,6 +32,7 @@ from nanoserve.kernels.sampling import apply_token_bitmask, fused_sample
 from nanoserve.models.layers import fused
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured.matcher import bitmask_words
 
 
 @dataclass
@@ -264,7 +265,7 @@ def warm_up_row_counts(
     for count in range(max_rows, 0, -1):
         logits = logits_of(count)
         if words is None:
-            words = torch.full((count, -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=logits.device)
+            words = torch.full((count, bitmask_words(logits.shape[1])), -1, dtype=torch.int32, device=logits.device)
             if pool is not None:
                 slots = torch.arange(count, device=pool.device) % pool.numel()
         into = None if pool is None else (pool, slots[:count])
