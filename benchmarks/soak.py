@@ -51,6 +51,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -507,7 +508,11 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def windows(
-    outcomes: list[Outcome], samples: list[dict], cycle: float, duration: float, lags: list[tuple[float, float]] = ()
+    outcomes: list[Outcome],
+    samples: list[dict],
+    cycle: float,
+    duration: float,
+    lags: Sequence[tuple[float, float]] = (),
 ) -> list[dict]:
     """Per cycle: requests by outcome, latency percentiles (ms; `itl_p99_steady_ms` over the
     requests sent in the steady phase before the burst), the client's loop lag, memory (median MB)."""
