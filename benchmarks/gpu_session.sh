@@ -104,7 +104,7 @@ for s in ${STAGES:-tests offline latency}; do
     tests_spec) stage tests_spec 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_speculative.py tests/test_gpu_eagle3.py ;;
     spec_real) stage spec_real ${T_SPEC:-300} python benchmarks/speculative.py --real --gate --phases ;;  # needs the SmolLM2 wheel (../shared/gpu/smollm2_halves.sh)
     verify_cost)  # a verify step's forward against a decode step's: llama-3.1-8b K=4, SmolLM2-135M at the n-gram K of 12
-      stage verify_cost 200 python benchmarks/speculative.py --verify-cost
+      stage verify_cost 200 python benchmarks/speculative.py --verify-cost $VERIFY_ARGS
       stage verify_cost_smollm2 120 python benchmarks/speculative.py --verify-cost --verify-model smollm2-135m --verify-k 12 --verify-batches 1 4 ;;
     eagle3) stage eagle3 150 python benchmarks/probes/eagle3_step.py --model llama-3.1-8b --draft-vocab 32000 --k 4 ;;
     profile) stage profile 400 python benchmarks/probes/profile_offline.py ;;
@@ -120,7 +120,12 @@ for s in ${STAGES:-tests offline latency}; do
       done ;;
     server_steps)  # the served engine's own token times against the client's (probes/server_steps.py)
       stage server_steps ${T_SERVER_STEPS:-200} python benchmarks/probes/server_steps.py --runs ${SERVER_STEPS_RUNS:-32x200 32x300} --trace $OUT/server_steps.json ;;
-    structured) stage structured ${T_STRUCTURED:-580} python benchmarks/structured.py --repeat ${REPEAT:-10} --no-max-length $STRUCTURED_ARGS ;;
+    structured)  # with the GPU's clocks, power and temperature every 100 ms (UTC), to line up with each round's profile
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \
+        --format=csv -lms 100 > $OUT/gpu_clocks.csv 2>&1 &
+      local_smi=$!
+      stage structured ${T_STRUCTURED:-580} python benchmarks/structured.py --repeat ${REPEAT:-10} --no-max-length --profile-rounds $STRUCTURED_ARGS
+      kill $local_smi ;;
     soak)  # a server under the changing mix for SOAK_S seconds of load (benchmarks/soak.py); JSON and PNG to $OUT.
       # Start-up comes on top: 42-62 s for smollm2-135m (2026-12-02), so a 600 s call holds 480 s of load
       stage soak $(( ${SOAK_S:-480} + 110 )) python benchmarks/soak.py $(soak_args $OUT) ;;

@@ -13,7 +13,8 @@ Sections (each on by its flag; all by default):
   batch 1 and 32, context 512, and
   the speedup that follows at acceptance lengths 2, 3 and 4 (acceptance length x decode step /
   verify step; n-gram drafts cost no forward). Targets: verify <= 1.10x decode at batch 1,
-  <= 1.3x at batch 32.
+  <= 1.3x at batch 32. --verify-profile: also each kernel's device time in both steps
+  (torch.profiler over 20 of each), the kernels whose time grew most first.
 - --throughput: the offline workload (benchmarks/offline_throughput.py, 256 sequences) with
   speculation on against off (qwen3-0.6b by default). Target: on >= 0.97x off.
 
@@ -329,6 +330,40 @@ def _time(fn, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
+def _kernel_profile(fn, reps: int = 20) -> dict[str, tuple[float, float]]:
+    """Per kernel name: launches and device µs per call of fn (CUPTI sees inside graph replays)."""
+    sys.path.insert(0, str(Path(__file__).parent / "probes"))
+    from profile_decode import device_us  # isort: skip
+
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: (e.count / reps, device_us(e) / reps) for e in prof.key_averages() if device_us(e) > 0}
+
+
+def _print_profiles(decode: dict, verify: dict, rows: int = 16) -> None:
+    """Both steps' kernels side by side, most grown first, then totals by kind."""
+    from profile_decode import kernel_kind  # isort: skip (on the path since _kernel_profile)
+
+    def grown(name: str) -> float:
+        return verify.get(name, (0, 0.0))[1] - decode.get(name, (0, 0.0))[1]
+
+    names = sorted(set(decode) | set(verify), key=lambda n: -grown(n))
+    print(f"  {'kernel':<64} {'decode n':>8} {'us':>8} {'verify n':>8} {'us':>8} {'grown':>8}")
+    for name in names[:rows]:
+        (dn, dus), (vn, vus) = decode.get(name, (0, 0.0)), verify.get(name, (0, 0.0))
+        print(f"  {name[:64]:<64} {dn:8.1f} {dus:8.1f} {vn:8.1f} {vus:8.1f} {vus - dus:+8.1f}")
+    for kind in sorted({kernel_kind(n) for n in names}):
+        d = sum(us for n, (_, us) in decode.items() if kernel_kind(n) == kind)
+        v = sum(us for n, (_, us) in verify.items() if kernel_kind(n) == kind)
+        print(f"  {'kind: ' + kind:<64} {'':8} {d:8.1f} {'':8} {v:8.1f} {v - d:+8.1f}")
+    d, v = sum(us for _, us in decode.values()), sum(us for _, us in verify.values())
+    print(f"  {'kernel time per step':<64} {'':8} {d:8.1f} {'':8} {v:8.1f} {v - d:+8.1f}")
+
+
 def _step(runner, sched, reqs, drafts: list[list[int]] | None) -> None:
     """One forward as the engine runs it: a decode step (drafts None) or a verify step (each
     request's last token and its drafts, a row per position: nanoserve.engine.speculative.positions)."""
@@ -361,6 +396,10 @@ def section_verify_cost(args) -> None:
             f"verify cost {args.verify_model} batch {bs:2d}: decode step {t_dec:.3f} ms, K={k} verify step {t_ver:.3f} ms "
             f"= {t_ver / t_dec:.3f}x; speedup at acceptance length {gains}"
         )
+        if args.verify_profile:
+            decode = _kernel_profile(lambda reqs=reqs, run=runner, s=sched: _step(run, s, reqs, None))
+            verify = _kernel_profile(lambda reqs=reqs, d=drafts, run=runner, s=sched: _step(run, s, reqs, d))
+            _print_profiles(decode, verify)
         for r in list(sched.running):
             engine.abort_request(r.request_id)
         while engine.has_unfinished_requests():
@@ -394,6 +433,7 @@ def main() -> None:
     ap.add_argument("--verify-model", default="llama-3.1-8b", help="--verify-cost: the model (dummy weights)")
     ap.add_argument("--verify-k", type=int, default=4, help="--verify-cost: drafts per request")
     ap.add_argument("--verify-batches", type=int, nargs="+", default=[1, 32], help="--verify-cost: batch sizes")
+    ap.add_argument("--verify-profile", action="store_true", help="--verify-cost: each kernel's time in both steps")
     ap.add_argument("--throughput", action="store_true")
     ap.add_argument("--model-throughput", default="qwen3-0.6b")
     ap.add_argument("--gate", action="store_true", help="--real: also time n-gram drafts with the cost gate on")

@@ -18,7 +18,9 @@ to the same round's free run (each round's ratio listed too), the ratio to a fre
 right after each constrained run with the same output length per request (so the batch's
 uneven ending, which varies from round to round, is in both sides), host time filling masks
 per masked step, and grammar compile time for the schema, cold (a fresh compiler service, its
-tokenizer tables built first and timed apart) and cached.
+tokenizer tables built first and timed apart) and cached. `--profile-rounds` prints each
+round's steps: the median step, the excess of long ones over twice it, the host's wait on the
+device and the share of host time the calling thread was on a core (which cause moves a round).
 The grammar sees only the tokenizer's 49,152 ids; the model's other rows are masked off by
 the engine (before 2026-11-26 xgrammar paid for each of them: all ran at 33-37% of free).
 Targets (H200, qwen3-0.6b, 64 x 256): all >= 90% of free, half >= 95% of free. On an H200 at
@@ -102,10 +104,27 @@ class Run:
     mask_fill_s: float  # host time filling grammar masks
     masked_steps: int
     lengths: list[list[int]]  # per pass, output tokens of each request in prompt order
+    steps: list[float]  # wall seconds of each engine step, in order
+    gpu_wait_s: float  # host time blocked on the device's sampled tokens
+    thread_s: float  # CPU time of the calling thread: below elapsed - gpu_wait, it was off its core
+    started: float  # time.time() at the start (to line up with a GPU clock log)
 
     @property
     def rate(self) -> float:
         return self.tokens / self.elapsed
+
+    def profile(self) -> str:
+        """Where the round's time went: a uniformly slower step (the host or the device ran
+        slower) moves the median step; a stall moves only the excess over twice the median."""
+        mid = statistics.median(self.steps)
+        stall = sum(max(0.0, s - 2 * mid) for s in self.steps)
+        host = self.elapsed - self.gpu_wait_s
+        return (
+            f"{self.rate:7.0f} tok/s {self.elapsed * 1e3:6.0f} ms: {len(self.steps)} steps, median "
+            f"{mid * 1e3:.3f} max {max(self.steps) * 1e3:5.1f} ms, excess over 2x median {stall * 1e3:5.1f} ms, "
+            f"outside steps {(self.elapsed - sum(self.steps)) * 1e3:4.1f} ms, waiting on the device "
+            f"{self.gpu_wait_s * 1e3:5.1f} ms, host {host * 1e3:5.0f} ms of which on its core {self.thread_s / host:.0%}"
+        )
 
 
 def same_lengths(run: Run) -> list[list[SamplingParams]]:
@@ -121,20 +140,42 @@ def spread(values: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
     return f"{lo:{fmt}} / {mid:{fmt}} / {hi:{fmt}}"
 
 
-def timed(llm: LLM, prompts, passes: list[list[SamplingParams]]) -> Run:
+def trace_steps(engine) -> list[float]:
+    """Note the wall time of every engine step from now on, in the list returned."""
+    steps: list[float] = []
+    step = engine.step
+
+    def traced():
+        t = time.perf_counter()
+        try:
+            return step()
+        finally:
+            steps.append(time.perf_counter() - t)
+
+    engine.step = traced
+    return steps
+
+
+def timed(llm: LLM, prompts, passes: list[list[SamplingParams]], steps: list[float]) -> Run:
     """One timed run: the batch generated once per pass, back to back (more passes, a longer
-    run: a round of 64 x 256 lasts ~0.5 s on an H200, where any hiccup moves its rate)."""
+    run: a round of 64 x 256 lasts ~0.5 s on an H200, where any hiccup moves its rate).
+    `steps` is trace_steps' list, emptied here."""
     engine = llm.engine
     engine.step_masks.fill_s, engine.step_masks.num_filled = 0.0, 0
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
+    steps.clear()
+    waited, wall, cpu = engine.gpu_wait_s, time.time(), time.thread_time()
     start = time.perf_counter()
     outs = [llm.generate(prompts, params, use_tqdm=False) for params in passes]
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     lengths = [[len(c.token_ids) for o in out for c in o.outputs] for out in outs]
-    return Run(sum(map(sum, lengths)), elapsed, engine.step_masks.fill_s, engine.step_masks.num_filled, lengths)
+    return Run(
+        sum(map(sum, lengths)), elapsed, engine.step_masks.fill_s, engine.step_masks.num_filled, lengths,
+        list(steps), engine.gpu_wait_s - waited, time.thread_time() - cpu, wall,
+    )  # fmt: skip
 
 
 def compile_times(llm: LLM) -> tuple[float, float, float]:
@@ -168,6 +209,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="rounds of every kind (medians are reported)")
     ap.add_argument("--passes", type=int, default=1, help="generate calls per timed run, back to back")
     ap.add_argument("--no-max-length", action="store_true", help="skip the maxLength schema's runs (faster)")
+    ap.add_argument("--profile-rounds", action="store_true", help="print where each round's time went")
     args = ap.parse_args()
 
     llm = LLM(
@@ -202,12 +244,13 @@ def main() -> None:
     # Each constrained run is followed by its free twin of the same output lengths.
     results: dict[str, list[Run]] = {kind: [] for kind, _ in runs}
     twins: dict[str, list[Run]] = {kind: [] for kind, _ in runs if kind != "free"}
+    steps = trace_steps(llm.engine)
     for _ in range(args.repeat):
         for kind, _ in runs:
-            run = timed(llm, prompts, [params[kind]] * args.passes)
+            run = timed(llm, prompts, [params[kind]] * args.passes, steps)
             results[kind].append(run)
             if kind != "free":
-                twins[kind].append(timed(llm, prompts, same_lengths(run)))
+                twins[kind].append(timed(llm, prompts, same_lengths(run), steps))
     free_rates = [r.rate for r in results["free"]]
     print(f"{args.repeat} rounds of {args.passes} pass(es); spreads are min / median / max over the rounds")
     for kind, _ in runs:
@@ -227,6 +270,12 @@ def main() -> None:
         print(line, flush=True)
         if kind != "free":
             print(f"{'':17s}rounds, % of free: " + " ".join(f"{r / f * 100:.1f}" for r, f in zip(rates, free_rates)))
+    if args.profile_rounds:
+        print("each round's time (the spread's cause: a slower median step, or stalls):")
+        for kind, _ in runs:
+            for i, run in enumerate(results[kind]):
+                at = time.strftime("%H:%M:%S", time.gmtime(run.started)) + f"{run.started % 1:.2f}"[1:]
+                print(f"  {kind:13s} {i:2d} at {at} UTC: {run.profile()}")
     young, middle, full = gc_watch.counts
     print(
         f"garbage collections in the timed rounds: {young} / {middle} / {full} of generations 0 / 1 / 2, "
