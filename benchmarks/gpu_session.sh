@@ -121,7 +121,7 @@ for s in ${STAGES:-tests offline latency}; do
     server_steps)  # the served engine's own token times against the client's (probes/server_steps.py)
       stage server_steps ${T_SERVER_STEPS:-200} python benchmarks/probes/server_steps.py --runs ${SERVER_STEPS_RUNS:-32x200 32x300} --trace $OUT/server_steps.json ;;
     structured)  # with the GPU's clocks, power and temperature every 100 ms (UTC), to line up with each round's profile
-      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
         --format=csv -lms 100 > $OUT/gpu_clocks.csv 2>&1 &
       local_smi=$!
       stage structured ${T_STRUCTURED:-580} python benchmarks/structured.py --repeat ${REPEAT:-10} --no-max-length --profile-rounds $STRUCTURED_ARGS
