@@ -27,6 +27,8 @@ Targets (H200, qwen3-0.6b, 64 x 256): all >= 90% of free, half >= 95% of free. O
 7d32b4e (benchmarks/results/2026-11-26.md, --repeat 30 --no-max-length, two runs): free ~30.5k
 tok/s, all 94.9% / 93.3%, half 96.1% / 96.1%; the rounds themselves spread from 53% to 149%,
 so quote medians of many rounds (with the maxLength strings, 7 rounds: 54-59% / 61-65%).
+Most of that spread was the detokenizer (the time outside the engine's steps, 189-333 ms of a
+~0.7 s round by the tokens drawn; Rust since ecf41e7): free now varies by +-4% (results/2026-12-02.md).
 
     python benchmarks/structured.py                      # H200
     python benchmarks/structured.py --model smollm2-135m --load-format auto --device cpu \
