@@ -68,16 +68,16 @@ def test_smollm2_takes_the_rust_window(tok):
     assert SampleDetokenizer(tok, tok.encode("Hi"), SamplingParams(), fast=False)._stream is None
 
 
-def partial_byte_tokens(tok) -> list[int]:
+@pytest.fixture(scope="module")
+def partial(tok) -> list[int]:
     """Ids that decode alone to half a character (byte-level pieces of multi-byte UTF-8)."""
     return [i for i in range(len(tok)) if tok.decode([i]) == "\ufffd"][:64]
 
 
 @pytest.mark.parametrize("skip_special", [True, False])
 @pytest.mark.parametrize("step", [1, 3])
-def test_rust_and_python_windows_give_the_same_deltas(tok, skip_special, step):
+def test_rust_and_python_windows_give_the_same_deltas(tok, partial, skip_special, step):
     rng = random.Random(7 + step)
-    partial = partial_byte_tokens(tok)
     assert len(partial) >= 16  # the case where a window waits for the rest of a character
     specials = list(tok.all_special_ids)
     params = SamplingParams(skip_special_tokens=skip_special)
