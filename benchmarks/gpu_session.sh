@@ -118,9 +118,9 @@ for s in ${STAGES:-tests offline latency}; do
     structured)  # with the GPU's clocks, power and temperature every 100 ms (UTC), to line up with each round's profile
       nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
         --format=csv -lms 100 > $OUT/gpu_clocks.csv 2>&1 &
-      local_smi=$!
+      smi_pid=$!
       stage structured ${T_STRUCTURED:-580} python benchmarks/structured.py --repeat ${REPEAT:-10} --no-max-length --profile-rounds $STRUCTURED_ARGS
-      kill $local_smi ;;
+      kill $smi_pid ;;
     soak)  # a server under the changing mix for SOAK_S seconds of load (benchmarks/soak.py); JSON and PNG to $OUT.
       # Start-up comes on top: 42-62 s for smollm2-135m (2026-12-02), so a 600 s call holds 480 s of load
       stage soak $(( ${SOAK_S:-480} + 110 )) python benchmarks/soak.py $(soak_args $OUT) ;;

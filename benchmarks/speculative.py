@@ -14,7 +14,8 @@ Sections (each on by its flag; all by default):
   the speedup that follows at acceptance lengths 2, 3 and 4 (acceptance length x decode step /
   verify step; n-gram drafts cost no forward). Targets: verify <= 1.10x decode at batch 1,
   <= 1.3x at batch 32. --verify-profile: also each kernel's device time in both steps
-  (torch.profiler over 20 of each), the kernels whose time grew most first.
+  (torch.profiler over 20 of each), the kernels whose time grew most first; run it with
+  NANOSERVE_PDL=0, since under PDL a kernel's duration includes its wait for the one before.
 - --throughput: the offline workload (benchmarks/offline_throughput.py, 256 sequences) with
   speculation on against off (qwen3-0.6b by default). Target: on >= 0.97x off.
 
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parent / "probes"))  # profile_decode's helpers, for --verify-profile
 from offline_throughput import timed_run, warm_up, workload
 
 from nanoserve import LLM, SamplingParams
@@ -332,8 +334,7 @@ def _time(fn, reps: int) -> float:
 
 def _kernel_profile(fn, reps: int = 20) -> dict[str, tuple[float, float]]:
     """Per kernel name: launches and device µs per call of fn (CUPTI sees inside graph replays)."""
-    sys.path.insert(0, str(Path(__file__).parent / "probes"))
-    from profile_decode import device_us  # isort: skip
+    from profile_decode import device_us
 
     fn()
     torch.cuda.synchronize()
@@ -346,7 +347,7 @@ def _kernel_profile(fn, reps: int = 20) -> dict[str, tuple[float, float]]:
 
 def _print_profiles(decode: dict, verify: dict, rows: int = 16) -> None:
     """Both steps' kernels side by side, most grown first, then totals by kind."""
-    from profile_decode import kernel_kind  # isort: skip (on the path since _kernel_profile)
+    from profile_decode import kernel_kind
 
     def grown(name: str) -> float:
         return verify.get(name, (0, 0.0))[1] - decode.get(name, (0, 0.0))[1]

@@ -20,7 +20,7 @@ uneven ending, which varies from round to round, is in both sides), host time fi
 per masked step, and grammar compile time for the schema, cold (a fresh compiler service, its
 tokenizer tables built first and timed apart) and cached. `--profile-rounds` prints each
 round's steps: the median step, the excess of long ones over twice it, the host's wait on the
-device and the share of host time the calling thread was on a core (which cause moves a round).
+device and the share of the round the calling thread was on a core (which cause moves a round).
 The grammar sees only the tokenizer's 49,152 ids; the model's other rows are masked off by
 the engine (before 2026-11-26 xgrammar paid for each of them: all ran at 33-37% of free).
 Targets (H200, qwen3-0.6b, 64 x 256): all >= 90% of free, half >= 95% of free. On an H200 at
@@ -108,7 +108,7 @@ class Run:
     lengths: list[list[int]]  # per pass, output tokens of each request in prompt order
     steps: list[float]  # wall seconds of each engine step, in order
     gpu_wait_s: float  # host time blocked on the device's sampled tokens
-    thread_s: float  # CPU time of the calling thread: below elapsed - gpu_wait, it was off its core
+    thread_s: float  # CPU time of the calling thread (its wait on the device spins, so counts): below elapsed, it was off its core
     started: float  # time.time() at the start (to line up with a GPU clock log)
 
     @property
@@ -125,7 +125,7 @@ class Run:
             f"{self.rate:7.0f} tok/s {self.elapsed * 1e3:6.0f} ms: {len(self.steps)} steps, median "
             f"{mid * 1e3:.3f} max {max(self.steps) * 1e3:5.1f} ms, excess over 2x median {stall * 1e3:5.1f} ms, "
             f"outside steps {(self.elapsed - sum(self.steps)) * 1e3:4.1f} ms, waiting on the device "
-            f"{self.gpu_wait_s * 1e3:5.1f} ms, host {host * 1e3:5.0f} ms of which on its core {self.thread_s / host:.0%}"
+            f"{self.gpu_wait_s * 1e3:5.1f} ms, host {host * 1e3:5.0f} ms, the thread on its core {self.thread_s / self.elapsed:.0%}"
         )
 
 
