@@ -104,7 +104,6 @@ class Run:
     tokens: int  # output tokens generated
     elapsed: float  # seconds
     mask_fill_s: float  # host time filling grammar masks
-    accept_s: float  # host time feeding tokens to the grammars on the mask thread (overlap loop)
     masked_steps: int
     lengths: list[list[int]]  # per pass, output tokens of each request in prompt order
     steps: list[float]  # wall seconds of each engine step, in order
@@ -164,7 +163,7 @@ def timed(llm: LLM, prompts, passes: list[list[SamplingParams]], steps: list[flo
     run: a round of 64 x 256 lasts ~0.5 s on an H200, where any hiccup moves its rate).
     `steps` is trace_steps' list, emptied here."""
     engine = llm.engine
-    engine.step_masks.fill_s, engine.step_masks.accept_s, engine.step_masks.num_filled = 0.0, 0.0, 0
+    engine.step_masks.fill_s, engine.step_masks.num_filled = 0.0, 0
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     steps.clear()
@@ -176,8 +175,7 @@ def timed(llm: LLM, prompts, passes: list[list[SamplingParams]], steps: list[flo
     elapsed = time.perf_counter() - start
     lengths = [[len(c.token_ids) for o in out for c in o.outputs] for out in outs]
     return Run(
-        sum(map(sum, lengths)), elapsed, engine.step_masks.fill_s, engine.step_masks.accept_s,
-        engine.step_masks.num_filled, lengths,
+        sum(map(sum, lengths)), elapsed, engine.step_masks.fill_s, engine.step_masks.num_filled, lengths,
         list(steps), engine.gpu_wait_s - waited, time.thread_time() - cpu, wall,
     )  # fmt: skip
 
@@ -270,8 +268,7 @@ def main() -> None:
             twin = [r.rate / t.rate for r, t in zip(results[kind], twins[kind])]
             line += f" | of free with the same lengths {spread(twin, 100)}%"
             fill_ms = statistics.median(r.mask_fill_s * 1e3 / max(r.masked_steps, 1) for r in results[kind])
-            accept_ms = statistics.median(r.accept_s * 1e3 / max(r.masked_steps, 1) for r in results[kind])
-            line += f" | mask fill {fill_ms:.3f} ms, grammar accepts {accept_ms:.3f} ms per masked step (mask thread)"
+            line += f" | mask fill {fill_ms:.3f} ms per masked step"
         print(line, flush=True)
         if kind != "free":
             print(f"{'':17s}rounds, % of free: " + " ".join(f"{r / f * 100:.1f}" for r, f in zip(rates, free_rates)))
