@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import json
 import re
-import types
 
 import jsonschema
 import pytest
@@ -380,63 +379,6 @@ def test_batch_mask_fill_equals_one_at_a_time(llm):
     fill_masks(matchers, batched)
     assert torch.equal(one, batched)
     assert len({tuple(r.tolist()) for r in one}) > 3, "the states should allow different tokens"
-
-
-def test_deferred_tokens_are_fed_on_the_mask_thread_before_its_fill(llm):
-    """The overlap loop's split accept: `StepMasks.defer` now, the grammar fed by the next
-    `submit` before it fills: the masks equal `accept`-then-fill's; a grammar that ended or
-    refused its token is reported ("stop" / "abort") and its row allows every id."""
-    from nanoserve.structured.matcher import bitmask_words
-    from nanoserve.structured.step_masks import StepMasks
-
-    service = llm.engine.grammar_service()
-    tok = llm.tokenizer
-    compiled = service.compile(StructuredOutputs(choice=["red", "green", "blue"]))
-    words = bitmask_words(service.grammar_vocab_size)
-    eos = llm.engine.model_config.eos_token_ids[0]
-    green = tok.encode("green", add_special_tokens=False)
-    masks = StepMasks(torch.device("cpu"))
-    plain, split = GrammarMatcher(compiled), GrammarMatcher(compiled)
-    request = types.SimpleNamespace(matcher=split)
-    expected, host = torch.zeros(2, words, dtype=torch.int32), torch.zeros(2, words, dtype=torch.int32)
-    for token in green:
-        assert plain.accept(token)
-        plain.fill_mask(expected, 0)
-        masks.defer(request, token)
-        with pytest.raises(AssertionError):
-            split.accept(token)  # its grammar has not seen the deferred token yet
-        assert masks.wait(masks.submit([split], [0], host)) == []
-        assert torch.equal(host[0], expected[0]) and split.num_accepted == plain.num_accepted
-    assert not expected[0].eq(-1).all()
-    masks.defer(request, eos)  # the grammar ends: reported, its row allows every id
-    assert masks.wait(masks.submit([split], [1], host)) == [(request, "stop")]
-    assert host[1].eq(-1).all()
-    refused = GrammarMatcher(compiled)
-    other = types.SimpleNamespace(matcher=refused)
-    masks.defer(other, tok.encode("yellow", add_special_tokens=False)[0])
-    assert masks.wait(masks.submit([refused], [0], host)) == [(other, "abort")]
-    assert host[0].eq(-1).all()
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_token_outside_the_grammar_aborts_its_request(llm, monkeypatch, overlap):
-    """With the masks taken away the sampler draws what the grammar refuses: the request
-    ends with "abort" after that token in both loops (the overlap loop hears it from the mask
-    thread a step later and drops that step's token), and the free request beside it runs on."""
-    monkeypatch.setattr(llm.engine.step_masks, "device_mask", lambda *args: None)
-    llm.engine.overlap = overlap
-    try:
-        outs = llm.generate(
-            [PROMPT, PROMPT],
-            [constrained(0, choice=["positive", "negative"]), SamplingParams(temperature=0, max_tokens=6)],
-            use_tqdm=False,
-        )
-    finally:
-        llm.engine.overlap = False
-    bad, free = outs[0].outputs[0], outs[1].outputs[0]
-    assert bad.finish_reason == "abort" and len(bad.token_ids) == 1
-    assert free.finish_reason == "length" and len(free.token_ids) == 6
-    assert_idle(llm)
 
 
 # ------------------------------------------------------------------ the bitmask in the sampler

@@ -21,9 +21,7 @@ nanoserve.structured.step_masks), which the sampler applies on the device. In th
 the mask needs the previous step's tokens, so a step with a constrained row launches its
 forward first and then processes the step in flight (the device runs the forward meanwhile);
 its masks are filled on a mask thread while the next step is scheduled and prepared, and its
-sampling is queued just before that next step's forward. That thread also feeds the grammars
-the processed step's tokens first (this thread only defers them), so a grammar that ends or
-refuses there finishes its request when the next step is processed. Steps without one keep the plain
+sampling is queued just before that next step's forward. Steps without one keep the plain
 overlap loop. A grammar that ends finishes its request with "stop"; max_tokens before that is
 "length".
 
@@ -396,7 +394,7 @@ class LLMEngine:
                 # to `launched`, as in the plain overlap loop).
                 if self._inflight is not None:
                     done, self._inflight = self._inflight, launched
-                    updates += self._process(done, defer_grammar=True)  # fed on the mask thread
+                    updates += self._process(done)
                 self._inflight = launched
                 self._sample_later(launched, logits)
                 sampling_later = launched.masks is not None
@@ -488,7 +486,7 @@ class LLMEngine:
         any other step."""
         if record.masks is None:
             return
-        record.grammar_ends = self.step_masks.wait(record.masks)
+        self.step_masks.wait(record.masks)
         record.masks = None
         mask = self.step_masks.device_mask(len(record.reqs), record.mask_rows, record.mask_host, record.logits.shape[1])
         logits, record.logits = record.logits, None
@@ -525,19 +523,10 @@ class LLMEngine:
                 record.event = torch.cuda.Event()
                 record.event.record()
 
-    def _process(self, record: _InFlight, defer_grammar: bool = False) -> list[StepUpdate]:
+    def _process(self, record: _InFlight) -> list[StepUpdate]:
         """Fill in the sampled tokens of a launched step, apply the stopping rules and
-        report. A request finished (or aborted) since the launch drops its token. First the
-        requests whose grammar ended or refused a token of the step before (fed while this
-        step's masks were filled) finish. With `defer_grammar` the grammars get this step's
-        tokens at the next mask fill, unless a token ends its request now."""
+        report. A request finished (or aborted) since the launch drops its token."""
         updates: list[StepUpdate] = []
-        for req, reason in record.grammar_ends:
-            if req.finish_reason is None:
-                if reason == "abort":
-                    log.warning("request %s: a sampled token is outside its grammar; aborting it", req.request_id)
-                self._finish(req, reason)
-                updates.append(self._update(req))
         if record.reqs:
             if record.event is not None:
                 waited = time.perf_counter()
@@ -555,10 +544,7 @@ class LLMEngine:
                     req.logprobs = (req.logprobs or []) + [lp]
                 reason = self._stop_reason(req, token, pos + 1)
                 if req.matcher is not None:
-                    if defer_grammar and reason is None:
-                        self.step_masks.defer(req, token)
-                    else:
-                        reason = self._grammar_stop(req, token, reason)
+                    reason = self._grammar_stop(req, token, reason)
                 if reason is not None:
                     self._finish(req, reason)
                     updates.append(self._update(req))
@@ -728,7 +714,6 @@ class _InFlight:
         self.logits: torch.Tensor | None = None
         self.mask_rows: list[int] = []
         self.mask_host: torch.Tensor | None = None
-        self.grammar_ends: list[tuple[Request, str]] = []  # from its fill: grammars that ended or refused
 
     def uses(self, req: Request) -> bool:
         """Whether the step runs or samples for `req` (asked only when a request finishes)."""

@@ -9,10 +9,7 @@ undecided -> answer when the output does not begin with the start token).
 Invariants:
 - `num_accepted` output tokens of the request have been accepted, in order, and no other
   token: the engine accepts each sampled token once, when it processes the step that sampled
-  it, and fills the next mask only after that. `defer` accepts a token in two halves: the
-  reasoning phase now, the xgrammar matcher's feed at the next `catch_up` (on the mask thread,
-  before that thread fills the next mask); `accept`, `checkpoint` and `fill_mask` need every
-  deferred token fed;
+  it, and fills the next mask only after that;
 - a mask row has bit j of word i set iff token 32 * i + j may come next (int32 words, the
   layout of nanoserve.kernels.sampling's bitmask input); stop tokens are allowed only where
   the grammar can end; while thinking (`needs_mask` False) no row is filled: every token may
@@ -82,7 +79,6 @@ class GrammarMatcher:
         self._matcher = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0
         self._fed = 0  # tokens the xgrammar matcher itself accepted (the answer's)
-        self._deferred: list[int] = []  # the answer's tokens `defer`red, not yet fed
         if gate is None:
             self.phase = _ANSWER
         else:
@@ -99,22 +95,14 @@ class GrammarMatcher:
         """False while thinking: the next token is free."""
         return self.phase != _THINKING
 
-    def _goes_to_grammar(self, token: int) -> bool:
-        """Whether `token` is the answer's (fed to the xgrammar matcher) rather than the
-        reasoning gate's; moves the phase for the gate's tokens."""
+    def accept(self, token: int) -> bool:
+        """Advance by `token`; False (state unchanged) if the grammar does not allow it."""
         if self.phase == _THINKING:
             if token == self.gate.end_token:
                 self.phase = _ANSWER
-            return False
-        if self.phase == _UNDECIDED and token == self.gate.start_token:
+        elif self.phase == _UNDECIDED and token == self.gate.start_token:
             self.phase = _THINKING
-            return False
-        return True
-
-    def accept(self, token: int) -> bool:
-        """Advance by `token`; False (state unchanged) if the grammar does not allow it."""
-        assert not self._deferred, "deferred tokens not fed yet"
-        if self._goes_to_grammar(token):
+        else:
             if not self._matcher.accept_token(token):
                 return False
             self._fed += 1
@@ -122,28 +110,9 @@ class GrammarMatcher:
         self.num_accepted += 1
         return True
 
-    def defer(self, token: int) -> None:
-        """Accept `token` now as far as the phase goes (`needs_mask` is current at once);
-        the grammar sees it at the next `catch_up`, which also says if it refused it."""
-        if self._goes_to_grammar(token):
-            self._deferred.append(token)
-            self.phase = _ANSWER
-        self.num_accepted += 1
-
-    def catch_up(self) -> str | None:
-        """Feed the deferred tokens to the grammar: "abort" if it refused one (the request
-        must end: its state is past repair), "stop" if it has ended, else None."""
-        deferred, self._deferred = self._deferred, []
-        for token in deferred:
-            if not self._matcher.accept_token(token):
-                return "abort"
-            self._fed += 1
-        return "stop" if self.is_terminated else None
-
     def checkpoint(self) -> tuple[str, int, int]:
         """The state to come back to with `rollback` (speculative decoding walks drafts
         through the grammar, then rolls them back before the accepted tokens are accepted)."""
-        assert not self._deferred, "deferred tokens not fed yet"
         return self.phase, self.num_accepted, self._fed
 
     def rollback(self, mark: tuple[str, int, int]) -> None:

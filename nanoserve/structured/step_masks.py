@@ -3,13 +3,7 @@ thread or the mask thread) and the device mask the sampler applies.
 
 Owns the pinned host buffer (int32 [rows, words of the tokenizer's ids], grown on demand and
 reused step after step), the mask thread of the overlap loop, the per-row word of the last
-half-constrained step, the tokens `defer`red to the mask thread and the fill counters that
-benchmarks/structured.py reads.
-
-In the overlap loop the engine's thread only `defer`s a step's tokens (the reasoning phase moves
-at once); the mask thread feeds them to the grammars right before it fills the next masks, so
-both halves of the grammar's host work run beside the next step's preparation. What the
-grammars said (a request whose grammar ended or refused its token) comes back from `wait`.
+half-constrained step, and the fill counters that benchmarks/structured.py reads.
 
 Invariants:
 - the host buffer is rewritten only after the copy of the step that used it has completed: the
@@ -18,10 +12,7 @@ Invariants:
 - while a fill runs on the mask thread no other thread touches its matchers, and the
   interpreter's switch interval is short (`SWITCH_INTERVAL_S`) until `wait` returns;
 - constrained rows never allow ids past the tokenizer's (a model's padding rows); rows without
-  a grammar in a half-constrained step allow every id, as in a step without one; so does a
-  row whose grammar ended or refused its deferred token (that row's token is dropped);
-- every deferred token is fed by the next `submit`'s fill, before any mask of its matcher is
-  filled, and `defer` is called only by the engine's thread while no fill runs.
+  a grammar in a half-constrained step allow every id, as in a step without one.
 """
 
 from __future__ import annotations
@@ -47,9 +38,7 @@ class StepMasks:
         self._free_rows: tuple[tuple | None, torch.Tensor | None] = (None, None)  # (n, rows) -> per-row word
         self._thread: futures.ThreadPoolExecutor | None = None
         self._switch_interval = sys.getswitchinterval()  # Python's, restored once a fill is done
-        self._deferred: list[tuple[object, GrammarMatcher]] = []  # (request, matcher) to feed at the next submit
         self.fill_s = 0.0  # host time filling masks
-        self.accept_s = 0.0  # host time feeding deferred tokens to the grammars
         self.num_filled = 0  # fills (one per masked step)
 
     def rows(self, reqs, grammar_vocab_size: int) -> tuple[list[int], torch.Tensor]:
@@ -66,59 +55,26 @@ class StepMasks:
             self._host = host
         return rows, host
 
-    def defer(self, req, token: int) -> None:
-        """`req.matcher` accepts `token` now as far as its reasoning phase goes, and in its
-        grammar at the next `submit` (on the mask thread)."""
-        req.matcher.defer(token)
-        self._deferred.append((req, req.matcher))
-
-    def fill(
-        self,
-        matchers: list[GrammarMatcher],
-        rows: list[int],
-        host: torch.Tensor,
-        deferred: list[tuple[object, GrammarMatcher]] = (),
-    ) -> list[tuple[object, str]]:
-        """Feed the `deferred` tokens, then matcher i's mask into row rows[i] of `host`; other
-        rows keep whatever they held (`device_mask` overrides them). Returns (request,
-        "stop" or "abort") for each request whose grammar ended or refused its token."""
+    def fill(self, matchers: list[GrammarMatcher], rows: list[int], host: torch.Tensor) -> None:
+        """Matcher i's mask into row rows[i] of `host`; other rows keep whatever they held
+        (`device_mask` overrides them)."""
         started = time.perf_counter()
-        ends, ended = [], set()  # the requests are only passed back: the engine's thread owns them
-        for req, m in deferred:
-            end = m.catch_up()
-            if end is not None:
-                ends.append((req, end))
-                ended.add(id(m))
-        fed = time.perf_counter()
-        if ended:  # those rows' tokens are dropped, but their masks must allow some token
-            kept = []
-            for row, m in zip(rows, matchers):
-                if id(m) in ended:
-                    host[row] = -1
-                else:
-                    kept.append((row, m))
-            rows, matchers = [row for row, _ in kept], [m for _, m in kept]
         fill_masks(matchers, host, rows)
-        self.accept_s += fed - started
-        self.fill_s += time.perf_counter() - fed
+        self.fill_s += time.perf_counter() - started
         self.num_filled += 1
-        return ends
 
     def submit(self, matchers: list[GrammarMatcher], rows: list[int], host: torch.Tensor) -> futures.Future:
-        """`fill` on the mask thread, after feeding the tokens deferred since the last submit;
-        the caller `wait`s for it before the masks are used."""
+        """`fill` on the mask thread; the caller `wait`s for it before the masks are used."""
         if self._thread is None:
             self._thread = futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
-        deferred, self._deferred = self._deferred, []
-        pending = self._thread.submit(self.fill, matchers, rows, host, deferred)
+        pending = self._thread.submit(self.fill, matchers, rows, host)
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         return pending
 
-    def wait(self, pending: futures.Future) -> list[tuple[object, str]]:
-        """The fill's result: (request, "stop" or "abort") for grammars that ended or refused."""
+    def wait(self, pending: futures.Future) -> None:
         try:
-            return pending.result()
+            pending.result()
         finally:
             sys.setswitchinterval(self._switch_interval)
 
