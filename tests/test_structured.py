@@ -381,6 +381,28 @@ def test_batch_mask_fill_equals_one_at_a_time(llm):
     assert len({tuple(r.tolist()) for r in one}) > 3, "the states should allow different tokens"
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_token_outside_the_grammar_aborts_its_request(llm, monkeypatch, overlap):
+    """With the masks taken away the sampler draws what the grammar refuses: the request
+    ends with "abort" right after that token in both loops (the overlap loop's grammars take
+    their tokens before the rest of the step is processed), and the free request beside it
+    runs on."""
+    monkeypatch.setattr(llm.engine.step_masks, "device_mask", lambda *args: None)
+    llm.engine.overlap = overlap
+    try:
+        outs = llm.generate(
+            [PROMPT, PROMPT],
+            [constrained(0, choice=["positive", "negative"]), SamplingParams(temperature=0, max_tokens=6)],
+            use_tqdm=False,
+        )
+    finally:
+        llm.engine.overlap = False
+    bad, free = outs[0].outputs[0], outs[1].outputs[0]
+    assert bad.finish_reason == "abort" and len(bad.token_ids) == 1
+    assert free.finish_reason == "length" and len(free.token_ids) == 6
+    assert_idle(llm)
+
+
 # ------------------------------------------------------------------ the bitmask in the sampler
 
 

@@ -62,7 +62,7 @@ from nanoserve.scheduler.scheduler import ScheduledBatch, Scheduler
 from nanoserve.step import ForwardInputs
 from nanoserve.structured.compiler import GrammarError, GrammarService, PendingGrammar
 from nanoserve.structured.matcher import GrammarMatcher
-from nanoserve.structured.step_masks import StepMasks
+from nanoserve.structured.step_masks import StepMasks, grammar_end
 from nanoserve.switches import log_nondefault
 from nanoserve.tokenizer import load_tokenizer
 
@@ -392,9 +392,14 @@ class LLMEngine:
                 # The masks need the tokens of the step in flight: process it now, while the
                 # device runs this step's forward (requests finishing meanwhile are deferred
                 # to `launched`, as in the plain overlap loop).
+                # Its masks start filling as soon as the grammars have those tokens, before the
+                # rest of the processing: the fill is the constrained step's critical path.
+                fill = functools.partial(self._fill_later, launched)
                 if self._inflight is not None:
                     done, self._inflight = self._inflight, launched
-                    updates += self._process(done)
+                    updates += self._process(done, fill_first=fill)
+                else:
+                    fill({})
                 self._inflight = launched
                 self._sample_later(launched, logits)
                 sampling_later = launched.masks is not None
@@ -466,20 +471,25 @@ class LLMEngine:
             mask = self.step_masks.device_mask(len(record.reqs), rows, host, logits.shape[1])
         self._queue_sampling(record, logits, mask)
 
-    def _sample_later(self, record: _InFlight, logits: torch.Tensor) -> None:
-        """A constrained step's sampling, launched by `_launch_sampling` once its masks are
-        filled on the mask thread; meanwhile the next step is scheduled and prepared. Its
-        slots are copied now: a decode graph's static inputs, where `record.slots` points,
-        are rewritten by that preparation, which may also preempt a request (its slot goes)."""
-        if not record.reqs:
-            return
-        self._add_placeholders(record)
-        rows, host = self.step_masks.rows(record.reqs, self._grammars.grammar_vocab_size)
-        record.slots = _on_device([r.slot for r in record.reqs], self.device)
-        record.logits = logits
+    def _fill_later(self, record: _InFlight, ended: dict[int, str]) -> None:
+        """Start filling a constrained step's masks on the mask thread (rows of requests
+        whose grammar has just ended, `ended`, get none: their tokens are dropped)."""
+        rows, host = self.step_masks.rows(record.reqs, self._grammars.grammar_vocab_size, ended)
         matchers = [record.reqs[i].matcher for i in rows]  # taken here: an abort clears req.matcher
         record.masks = self.step_masks.submit(matchers, rows, host)
         record.mask_rows, record.mask_host = rows, host
+
+    def _sample_later(self, record: _InFlight, logits: torch.Tensor) -> None:
+        """A constrained step's sampling, launched by `_launch_sampling` once its masks
+        (`_fill_later`) are filled on the mask thread; meanwhile the next step is scheduled
+        and prepared. Its slots are copied now: a decode graph's static inputs, where
+        `record.slots` points, are rewritten by that preparation, which may also preempt a
+        request (its slot goes)."""
+        if not record.reqs:
+            return
+        self._add_placeholders(record)
+        record.slots = _on_device([r.slot for r in record.reqs], self.device)
+        record.logits = logits
 
     def _launch_sampling(self, record: _InFlight) -> None:
         """Queue the sampling of a step whose masks were filling (`_sample_later`); no-op for
@@ -523,9 +533,11 @@ class LLMEngine:
                 record.event = torch.cuda.Event()
                 record.event.record()
 
-    def _process(self, record: _InFlight) -> list[StepUpdate]:
+    def _process(self, record: _InFlight, fill_first=None) -> list[StepUpdate]:
         """Fill in the sampled tokens of a launched step, apply the stopping rules and
-        report. A request finished (or aborted) since the launch drops its token."""
+        report. A request finished (or aborted) since the launch drops its token. With
+        `fill_first` the grammars take their tokens first, then `fill_first` gets the requests
+        whose grammar ended (id -> "stop" / "abort") before the rest is processed."""
         updates: list[StepUpdate] = []
         if record.reqs:
             if record.event is not None:
@@ -536,6 +548,10 @@ class LLMEngine:
             else:
                 host = None
             tokens, logprobs = record.result.to_host(host)
+            ended = None
+            if fill_first is not None:
+                ended = self.step_masks.advance(record.reqs, record.positions, tokens)
+                fill_first(ended)
             for req, pos, token, lp in zip(record.reqs, record.positions, tokens, logprobs):
                 if req.finish_reason is not None or pos >= len(req.token_ids):
                     continue  # finished in an earlier step: this extra token is never shown
@@ -544,7 +560,7 @@ class LLMEngine:
                     req.logprobs = (req.logprobs or []) + [lp]
                 reason = self._stop_reason(req, token, pos + 1)
                 if req.matcher is not None:
-                    reason = self._grammar_stop(req, token, reason)
+                    reason = self._grammar_stop(req, token, reason) if ended is None else ended.get(id(req), reason)
                 if reason is not None:
                     self._finish(req, reason)
                     updates.append(self._update(req))
@@ -560,10 +576,7 @@ class LLMEngine:
         """Advance the request's grammar by `token`: a grammar that has ended stops the request
         ("stop", even at max_tokens: the output is complete); a token the grammar refuses
         (the mask makes it impossible) aborts it rather than return text that breaks it."""
-        if not req.matcher.accept(token):
-            log.warning("request %s: sampled token %d is outside its grammar; aborting it", req.request_id, token)
-            return "abort"
-        return "stop" if req.matcher.is_terminated else reason
+        return grammar_end(req, token) or reason
 
     def _finish(self, req: Request, reason: str) -> None:
         """Finish `req` for the caller now; its pages and slot go back now, or, if a

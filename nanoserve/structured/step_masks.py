@@ -17,18 +17,32 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
+from collections.abc import Container
 from concurrent import futures
 
 import torch
 
 from nanoserve.structured.matcher import GrammarMatcher, bitmask_words, fill_masks
 
+log = logging.getLogger("nanoserve")
+
 # The mask thread needs the GIL to start and to finish its fill, and the engine's thread, busy
 # preparing the next step, would hand it over only every 5 ms (Python's default switch
 # interval): far too late. Until `wait` it is handed over within 100 us.
 SWITCH_INTERVAL_S = 1e-4
+
+
+def grammar_end(req, token: int) -> str | None:
+    """Advance `req`'s grammar by `token`: "stop" if the grammar has ended (the output is
+    complete, even at max_tokens), "abort" if it refuses the token (the mask makes that
+    impossible; the request ends rather than return text that breaks its grammar), else None."""
+    if not req.matcher.accept(token):
+        log.warning("request %s: sampled token %d is outside its grammar; aborting it", req.request_id, token)
+        return "abort"
+    return "stop" if req.matcher.is_terminated else None
 
 
 class StepMasks:
@@ -41,11 +55,27 @@ class StepMasks:
         self.fill_s = 0.0  # host time filling masks
         self.num_filled = 0  # fills (one per masked step)
 
-    def rows(self, reqs, grammar_vocab_size: int) -> tuple[list[int], torch.Tensor]:
-        """The sampling rows of `reqs` that get a mask this step, and the host buffer (a row
-        per sampling request) they are filled into."""
+    @staticmethod
+    def advance(reqs, positions: list[int], tokens: list[int]) -> dict[int, str]:
+        """Each live constrained request of a processed step takes its token (`grammar_end`),
+        before the rest of the processing; returns id(request) -> "stop" / "abort" for those
+        whose grammar ended. Skipped as the processing skips them: finished since the launch."""
+        ended = {}
+        for req, pos, token in zip(reqs, positions, tokens):
+            if req.matcher is None or req.finish_reason is not None or pos >= len(req.token_ids):
+                continue
+            end = grammar_end(req, token)
+            if end is not None:
+                ended[id(req)] = end
+        return ended
+
+    def rows(self, reqs, grammar_vocab_size: int, ended: Container[int] = ()) -> tuple[list[int], torch.Tensor]:
+        """The sampling rows of `reqs` that get a mask this step (not those whose grammar has
+        just ended, `ended`), and the host buffer (a row per sampling request) they are filled into."""
         rows = [
-            i for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None and r.matcher.needs_mask
+            i
+            for i, r in enumerate(reqs)
+            if r.matcher is not None and r.finish_reason is None and r.matcher.needs_mask and id(r) not in ended
         ]
         words = bitmask_words(grammar_vocab_size)
         host = self._host
