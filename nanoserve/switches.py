@@ -53,10 +53,10 @@ class KernelSwitches:
     rope_in_gemv: bool = True
     # Speculative verify steps: at 2..16 rows the split-K qkv product's partials are summed, rotated and stored
     # (with K/V) by one epilogue kernel, at 5..16 rows gate_up runs the gated dot kernel (SiLU-and-mul in its
-    # epilogue); off: the sum, rotary and SiLU-and-mul kernels apart (kernels/qkv_rope.py, linear.py). Off by
-    # default: correct on a GPU, but llama-3.1-8b's K=4 verify step took 1.350x a decode step with it against
-    # 1.129x without (H200, benchmarks/results/2026-12-02.md), though each kernel alone is as fast or faster.
-    fused_16_rows: bool = False
+    # epilogue); off: the sum, rotary and SiLU-and-mul kernels apart (kernels/qkv_rope.py, linear.py).
+    # llama-3.1-8b's K=4 verify step at batch 1: 1.103x a decode step with it, 1.125x without (H200,
+    # benchmarks/results/2026-12-02.md; 1.350x while the gated dot kernel still launched under PDL).
+    fused_16_rows: bool = True
     # Decode attention launches the kv heads of a request next to each other; off: one head of every request first.
     decode_heads_first: bool = True
     # Triton sampler for greedy / plain-temperature batches; off: the torch path.

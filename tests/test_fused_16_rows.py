@@ -177,8 +177,8 @@ def test_rules_for_five_to_sixteen_rows():
     assert not qkv_rope.fuses_rope_in_sum(None)
     assert not qkv_rope.fuses_rope_in_sum(LinearConfig("dot", 16, 32, 64))  # unsplit: no launch to save
     assert not qkv_rope.fuses_rope_in_sum(klinear.linear_config(1, 6144, 4096, bf16))  # the one-row GEMV's
-    assert not KernelSwitches().fused_16_rows  # off by default (switches.py says why)
-    assert KernelSwitches.from_env({"NANOSERVE_FUSED_16_ROWS": "1"}).fused_16_rows
+    assert KernelSwitches().fused_16_rows  # on by default (switches.py gives the measurement)
+    assert not KernelSwitches.from_env({"NANOSERVE_FUSED_16_ROWS": "0"}).fused_16_rows
 
 
 def test_fused_rows_refuse_what_they_cannot_run():
@@ -209,7 +209,7 @@ def test_interp_verify_steps_take_the_fused_kernels(tmp_path, monkeypatch):
     them; on CUDA the rule's configs decide): speculative verify steps (a draft model, 4 drafts:
     5 rows per request, 15 with three requests) rotate in the qkv product's sum and run
     the gated dot kernel at every layer, and their greedy tokens (fp32) equal those of the
-    unfused path; NANOSERVE_FUSED_16_ROWS=1 turns both on (off by default). (The draft model's steps of 2..16
+    unfused path (NANOSERVE_FUSED_16_ROWS=0 turns both off; on by default). (The draft model's steps of 2..16
     rows take the qkv fusion too: any forward of that many rows does.)"""
     from nanoserve import LLM, SamplingParams
     from nanoserve.models import layers

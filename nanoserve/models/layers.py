@@ -563,7 +563,10 @@ class ColumnParallelLinear(_SwitchedLayer):
             self.weight,
             self.bias,
             config,
-            pdl=self.switches.pdl,
+            # The gated dot kernel (5..16 rows) launches without PDL: under it llama-3.1-8b's K=4
+            # verify step ran 5.33 ms against 4.41 (batch 1, H200, benchmarks/results/2026-12-02.md;
+            # its trigger moved after the K loop: 4.56).
+            pdl=self.switches.pdl and config.kernel != "dot",
             w_scale=None if fp8 is None else fp8.scale,
             block_scale=fp8 is not None and fp8.block,
             gated=True,
