@@ -421,6 +421,30 @@ def test_a_token_outside_the_grammar_aborts_its_request(llm, monkeypatch, overla
     assert_idle(llm)
 
 
+def test_a_chunked_constrained_prompt_in_the_overlap_loop(llm):
+    """A constrained prompt prefilled in chunks: the step in flight when its last chunk samples
+    sampled nothing (an earlier chunk), and the constrained step's masks still fill and its
+    sampling still launches; the output equals the simple loop's."""
+    prompt = PROMPT + " " + " ".join(["Write it as a JSON record, with every field."] * 6)
+    engine, runs = llm.engine, {}
+    chunk, mixed = engine.scheduler.chunk_budget, engine.scheduler.mixed_budget
+    engine.scheduler.chunk_budget = engine.scheduler.mixed_budget = 16
+    try:
+        assert len(llm.tokenizer.encode(prompt)) > 3 * 16
+        for overlap in (False, True):
+            engine.overlap = overlap
+            engine.prefix_cache.reset()  # every run prefills the prompt in chunks
+            (out,) = llm.generate([prompt], constrained(4, json=RECORD), use_tqdm=False)
+            runs[overlap] = out.outputs[0].token_ids
+            assert out.outputs[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(out.outputs[0].text), RECORD)
+    finally:
+        engine.overlap = False
+        engine.scheduler.chunk_budget, engine.scheduler.mixed_budget = chunk, mixed
+    assert runs[True] == runs[False]
+    assert_idle(llm)
+
+
 # ------------------------------------------------------------------ the bitmask in the sampler
 
 

@@ -398,7 +398,7 @@ class LLMEngine:
                 if self._inflight is not None:
                     done, self._inflight = self._inflight, launched
                     updates += self._process(done, fill_first=fill)
-                else:
+                if launched.masks is None:  # no step in flight, or one that sampled nothing
                     fill({})
                 self._inflight = launched
                 self._sample_later(launched, logits)
