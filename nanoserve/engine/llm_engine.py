@@ -21,7 +21,8 @@ nanoserve.structured.step_masks), which the sampler applies on the device. In th
 the mask needs the previous step's tokens, so a step with a constrained row launches its
 forward first and then processes the step in flight (the device runs the forward meanwhile);
 its masks are filled on a mask thread while the next step is scheduled and prepared, and its
-sampling is queued just before that next step's forward. Steps without one keep the plain
+sampling is queued just before that next step's forward. That fill starts as soon as the
+grammars have taken the processed step's tokens, before the rest of its processing. Steps without one keep the plain
 overlap loop. A grammar that ends finishes its request with "stop"; max_tokens before that is
 "length".
 

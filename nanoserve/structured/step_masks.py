@@ -1,5 +1,7 @@
 """A step's grammar bitmasks: which sampling rows get one, their host buffer, the fill (on this
-thread or the mask thread) and the device mask the sampler applies.
+thread or the mask thread) and the device mask the sampler applies; and the grammars' advance by
+a processed step's tokens (`grammar_end`, `StepMasks.advance`: on the engine's thread, where
+xgrammar's accept is fast; on the mask thread it traded the GIL at every call).
 
 Owns the pinned host buffer (int32 [rows, words of the tokenizer's ids], grown on demand and
 reused step after step), the mask thread of the overlap loop, the per-row word of the last
