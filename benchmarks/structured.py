@@ -158,6 +158,39 @@ def trace_steps(engine) -> list[float]:
     return steps
 
 
+# The engine-thread phases of a step that --profile-phases times (inclusive: `_process` holds
+# the grammars' advance and the fill's submit; `wait` is the engine's wait for the mask thread).
+PHASES = {
+    "schedule": ("scheduler", "schedule"),
+    "prepare": ("", "_prepare"),
+    "forward launch": ("runner", "execute"),
+    "process": ("", "_process"),
+    "advance": ("step_masks", "advance"),
+    "fill submit": ("", "_fill_later"),
+    "fill wait": ("step_masks", "wait"),
+    "sampling launch": ("", "_queue_sampling"),
+    "fill (mask thread)": ("step_masks", "fill"),
+}
+
+
+def trace_phases(engine) -> dict[str, float]:
+    """Add the seconds spent in each of PHASES to the mapping returned (reset it per run)."""
+    spent = dict.fromkeys(PHASES, 0.0)
+    for phase, (owner, name) in PHASES.items():
+        obj = getattr(engine, owner) if owner else engine
+        inner = getattr(obj, name)
+
+        def timed_call(*a, _inner=inner, _phase=phase, **kw):
+            t = time.perf_counter()
+            try:
+                return _inner(*a, **kw)
+            finally:
+                spent[_phase] += time.perf_counter() - t
+
+        setattr(obj, name, timed_call)
+    return spent
+
+
 def timed(llm: LLM, prompts, passes: list[list[SamplingParams]], steps: list[float]) -> Run:
     """One timed run: the batch generated once per pass, back to back (more passes, a longer
     run: a round of 64 x 256 lasts ~0.5 s on an H200, where any hiccup moves its rate).
@@ -212,6 +245,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=1, help="generate calls per timed run, back to back")
     ap.add_argument("--no-max-length", action="store_true", help="skip the maxLength schema's runs (faster)")
     ap.add_argument("--profile-rounds", action="store_true", help="print where each round's time went")
+    ap.add_argument("--profile-phases", action="store_true", help="print the engine thread's time per step by phase")
     args = ap.parse_args()
 
     llm = LLM(
@@ -247,9 +281,17 @@ def main() -> None:
     results: dict[str, list[Run]] = {kind: [] for kind, _ in runs}
     twins: dict[str, list[Run]] = {kind: [] for kind, _ in runs if kind != "free"}
     steps = trace_steps(llm.engine)
+    phases = trace_phases(llm.engine) if args.profile_phases else None
+    per_phase: dict[str, list[dict[str, float]]] = {kind: [] for kind, _ in runs}  # per round, ms a step
     for _ in range(args.repeat):
         for kind, _ in runs:
+            if phases is not None:
+                phases.update(dict.fromkeys(phases, 0.0))
             run = timed(llm, prompts, [params[kind]] * args.passes, steps)
+            if phases is not None:
+                per_phase[kind].append({p: v * 1e3 / len(run.steps) for p, v in phases.items()})
+                per_phase[kind][-1]["token wait"] = run.gpu_wait_s * 1e3 / len(run.steps)
+                per_phase[kind][-1]["step"] = statistics.median(run.steps) * 1e3
             results[kind].append(run)
             if kind != "free":
                 twins[kind].append(timed(llm, prompts, same_lengths(run), steps))
@@ -278,6 +320,15 @@ def main() -> None:
             for i, run in enumerate(results[kind]):
                 at = time.strftime("%H:%M:%S", time.gmtime(run.started)) + f"{run.started % 1:.2f}"[1:]
                 print(f"  {kind:13s} {i:2d} at {at} UTC: {run.profile()}")
+    if phases is not None:
+        print(
+            "the engine thread's time per step by phase, median over the rounds, ms (inclusive; the fill on the mask thread):"
+        )
+        columns = ["step", "token wait", *PHASES]  # the median step; the wait for sampled tokens (in process)
+        print(f"  {'':13s} " + " | ".join(columns))
+        for kind, _ in runs:
+            row = [statistics.median(r[p] for r in per_phase[kind]) for p in columns]
+            print(f"  {kind:13s} " + " | ".join(f"{v:.3f}" for v in row))
     young, middle, full = gc_watch.counts
     print(
         f"garbage collections in the timed rounds: {young} / {middle} / {full} of generations 0 / 1 / 2, "
