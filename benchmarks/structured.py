@@ -159,17 +159,16 @@ def trace_steps(engine) -> list[float]:
 
 
 # The engine-thread phases of a step that --profile-phases times (inclusive: `_process` holds
-# the grammars' advance and the fill's submit; `wait` is the engine's wait for the mask thread).
+# the grammars' advance and, in a constrained overlap step, the next step's sampling).
 PHASES = {
     "schedule": ("scheduler", "schedule"),
     "prepare": ("", "_prepare"),
     "forward launch": ("runner", "execute"),
     "process": ("", "_process"),
     "advance": ("step_masks", "advance"),
-    "fill submit": ("", "_fill_later"),
-    "fill wait": ("step_masks", "wait"),
+    "sample": ("", "_sample"),
+    "fill": ("step_masks", "fill"),
     "sampling launch": ("", "_queue_sampling"),
-    "fill (mask thread)": ("step_masks", "fill"),
 }
 
 
@@ -322,7 +321,7 @@ def main() -> None:
                 print(f"  {kind:13s} {i:2d} at {at} UTC: {run.profile()}")
     if phases is not None:
         print(
-            "the engine thread's time per step by phase, median over the rounds, ms (inclusive; the fill on the mask thread):"
+            "the engine thread's time per step by phase, median over the rounds, ms (inclusive):"
         )
         columns = ["step", "token wait", *PHASES]  # the median step; the wait for sampled tokens (in process)
         print(f"  {'':13s} " + " | ".join(columns))

@@ -68,7 +68,6 @@ def main() -> None:
         eng.step()
     while eng._inflight is not None:  # settle the overlap loop: every token on the host
         done, eng._inflight = eng._inflight, None
-        eng._launch_sampling(done)
         eng._process(done)
     k = args.k
     assert sched.reserve_lookahead(req, k) == k

@@ -19,11 +19,10 @@ GrammarMatcher that accepts its token when a step is processed; before sampling,
 constrained requests get a token bitmask filled on the host (every other row allows all;
 nanoserve.structured.step_masks), which the sampler applies on the device. In the overlap loop
 the mask needs the previous step's tokens, so a step with a constrained row launches its
-forward first and then processes the step in flight (the device runs the forward meanwhile);
-its masks are filled on a mask thread while the next step is scheduled and prepared, and its
-sampling is queued just before that next step's forward. That fill starts as soon as the
-grammars have taken the processed step's tokens, before the rest of its processing. Steps without one keep the plain
-overlap loop. A grammar that ends finishes its request with "stop"; max_tokens before that is
+forward first and then processes the step in flight (the device runs the forward meanwhile):
+as soon as the grammars have taken that step's tokens, its masks are filled on this thread
+and its sampling is queued behind its forward, before the rest of the processing. Steps
+without one keep the plain overlap loop. A grammar that ends finishes its request with "stop"; max_tokens before that is
 "length".
 
 Host cost: in the overlap loop the host prepares step N+1 while the device runs step N, so
@@ -38,6 +37,7 @@ import functools
 import itertools
 import logging
 import time
+from collections.abc import Container
 from concurrent import futures
 
 import torch
@@ -353,16 +353,14 @@ class LLMEngine:
         """One scheduler step. Simple loop: launch the step and process its results.
         Overlap loop: launch step N+1, then process step N's results while the GPU runs
         N+1 (its input tokens are read on the device from the runner's token pool).
-        A constrained step N+1 (overlap loop) processes step N right after its forward is
-        launched (the masks need N's tokens), then fills its masks on a worker thread while
-        the next call schedules and prepares N+2; that call launches N+1's sampling, then
-        N+2's forward, so the device waits neither for the masks nor for the preparation."""
+        A constrained step N+1 (overlap loop) launches its forward, then processes step N,
+        queueing N+1's sampling (its masks need N's tokens) as soon as the grammars have them
+        (`_launch_constrained`)."""
         started = time.perf_counter()
         updates, self._pending_updates = self._pending_updates, []
         if self._inflight is not None and self.scheduler.num_with_penalties:
             # Penalties read each request's tokens on the host: finish the step in flight.
             done, self._inflight = self._inflight, None
-            self._launch_sampling(done)
             updates += self._process(done)
         if self._compiling:
             self._queue_compiled()
@@ -373,49 +371,45 @@ class LLMEngine:
         if self.speculator is not None and self.speculator.wants_step():
             if self._inflight is not None:  # drafts need every token on the host
                 done, self._inflight = self._inflight, None
-                self._launch_sampling(done)
                 updates += self._process(done)
             verified = self.speculator.step()
             if verified is not None:
                 return self._end_step(updates + verified, started)
         batch = self.scheduler.schedule()
         inputs = self._prepare(batch) if batch is not None else None
-        if self._inflight is not None:
-            self._launch_sampling(self._inflight)  # a constrained step whose masks were filling
         launched = None
-        sampling_later = False  # this step's sampling waits for its masks (next call launches it)
         if batch is not None:
             launched, logits = self._forward(batch, inputs)
             if self.pooling is not None:  # an embedding model: the rows are vectors, their requests end now
                 updates += self.pooling.finish(self, launched.reqs, logits)
                 launched = None
             elif launched.constrained and self.overlap:
-                # The masks need the tokens of the step in flight: process it now, while the
-                # device runs this step's forward (requests finishing meanwhile are deferred
-                # to `launched`, as in the plain overlap loop).
-                # Its masks start filling as soon as the grammars have those tokens, before the
-                # rest of the processing: the fill is the constrained step's critical path.
-                fill = functools.partial(self._fill_later, launched)
-                if self._inflight is not None:
-                    done, self._inflight = self._inflight, launched
-                    updates += self._process(done, fill_first=fill)
-                if launched.masks is None:  # no step in flight, or one that sampled nothing
-                    fill({})
-                self._inflight = launched
-                self._sample_later(launched, logits)
-                sampling_later = launched.masks is not None
-                launched = None  # it is in flight already
+                updates += self._launch_constrained(launched, logits)
+                return self._end_step(updates, started)
             else:
                 self._sample(launched, logits)
-        if sampling_later:
-            done = None  # nothing to process: the step in flight waits for its sampling
-        elif self.overlap:
+        if self.overlap:
             done, self._inflight = self._inflight, launched
         else:
             done = launched
         if done is not None:
             updates += self._process(done)
         return self._end_step(updates, started)
+
+    def _launch_constrained(self, launched: _InFlight, logits: torch.Tensor) -> list[StepUpdate]:
+        """Overlap loop, a constrained step whose forward is queued: process the step in
+        flight now, while the device runs that forward (requests finishing meanwhile are
+        deferred to `launched`, as in the plain overlap loop). Its masks need the tokens of
+        the step in flight: they are filled, and the sampling queued, as soon as the grammars
+        have taken those tokens, before the rest of the processing, so that the device never
+        waits for it (xgrammar's fill of 64 rows takes tens of microseconds on one thread;
+        on a mask thread it had traded the GIL at every call, benchmarks/results/2026-12-02.md)."""
+        done, self._inflight = self._inflight, launched
+        sample = functools.partial(self._sample, launched, logits)
+        updates = [] if done is None else self._process(done, fill_first=sample)
+        if launched.result is None:  # no step in flight, or one that sampled nothing
+            sample({})
+        return updates
 
     def _end_step(self, updates: list[StepUpdate], started: float) -> list[StepUpdate]:
         updates += self._pending_updates  # aborts/finishes noticed while processing
@@ -459,48 +453,18 @@ class LLMEngine:
         record.constrained = self.num_constrained > 0 and any(r.matcher is not None for r in sample_reqs)
         return record, logits
 
-    def _sample(self, record: _InFlight, logits: torch.Tensor) -> None:
-        """Sampling of a launched forward, queued on the device now (a constrained step's
-        masks are filled first, on this thread)."""
+    def _sample(self, record: _InFlight, logits: torch.Tensor, ended: Container[int] = ()) -> None:
+        """Sampling of a launched forward, queued on the device now; a constrained step's
+        masks are filled first, on this thread (no mask for requests whose grammar has just
+        ended, `ended`: their tokens are dropped)."""
         if not record.reqs:
             return
         self._add_placeholders(record)
         mask = None
         if record.constrained:
-            rows, host = self.step_masks.rows(record.reqs, self._grammars.grammar_vocab_size)
+            rows, host = self.step_masks.rows(record.reqs, self._grammars.grammar_vocab_size, ended)
             self.step_masks.fill([record.reqs[i].matcher for i in rows], rows, host)
             mask = self.step_masks.device_mask(len(record.reqs), rows, host, logits.shape[1])
-        self._queue_sampling(record, logits, mask)
-
-    def _fill_later(self, record: _InFlight, ended: dict[int, str]) -> None:
-        """Start filling a constrained step's masks on the mask thread (rows of requests
-        whose grammar has just ended, `ended`, get none: their tokens are dropped)."""
-        rows, host = self.step_masks.rows(record.reqs, self._grammars.grammar_vocab_size, ended)
-        matchers = [record.reqs[i].matcher for i in rows]  # taken here: an abort clears req.matcher
-        record.masks = self.step_masks.submit(matchers, rows, host)
-        record.mask_rows, record.mask_host = rows, host
-
-    def _sample_later(self, record: _InFlight, logits: torch.Tensor) -> None:
-        """A constrained step's sampling, launched by `_launch_sampling` once its masks
-        (`_fill_later`) are filled on the mask thread; meanwhile the next step is scheduled
-        and prepared. Its slots are copied now: a decode graph's static inputs, where
-        `record.slots` points, are rewritten by that preparation, which may also preempt a
-        request (its slot goes)."""
-        if not record.reqs:
-            return
-        self._add_placeholders(record)
-        record.slots = _on_device([r.slot for r in record.reqs], self.device)
-        record.logits = logits
-
-    def _launch_sampling(self, record: _InFlight) -> None:
-        """Queue the sampling of a step whose masks were filling (`_sample_later`); no-op for
-        any other step."""
-        if record.masks is None:
-            return
-        self.step_masks.wait(record.masks)
-        record.masks = None
-        mask = self.step_masks.device_mask(len(record.reqs), record.mask_rows, record.mask_host, record.logits.shape[1])
-        logits, record.logits = record.logits, None
         self._queue_sampling(record, logits, mask)
 
     def _add_placeholders(self, record: _InFlight) -> None:
@@ -723,11 +687,6 @@ class _InFlight:
         self.slots: torch.Tensor | None = None  # device slots of `reqs`, when the inputs had them
         self.constrained = False  # a sampling request has a grammar
         self.rows: list[SampleRow] = []  # each sampling request's parameters
-        # A constrained step whose sampling waits for its masks (`LLMEngine._sample_later`):
-        self.masks: futures.Future | None = None  # the mask thread's fill; None once launched
-        self.logits: torch.Tensor | None = None
-        self.mask_rows: list[int] = []
-        self.mask_host: torch.Tensor | None = None
 
     def uses(self, req: Request) -> bool:
         """Whether the step runs or samples for `req` (asked only when a request finishes)."""

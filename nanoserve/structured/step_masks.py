@@ -1,18 +1,18 @@
-"""A step's grammar bitmasks: which sampling rows get one, their host buffer, the fill (on this
-thread or the mask thread) and the device mask the sampler applies; and the grammars' advance by
-a processed step's tokens (`grammar_end`, `StepMasks.advance`: on the engine's thread, where
-xgrammar's accept is fast; on the mask thread it traded the GIL at every call).
+"""A step's grammar bitmasks: which sampling rows get one, their host buffer, the fill and the
+device mask the sampler applies; and the grammars' advance by a processed step's tokens
+(`grammar_end`, `StepMasks.advance`). All of it runs on the engine's thread: xgrammar's calls
+release the GIL, so on a second thread every call traded it with the engine's thread (a
+64-row fill took 0.5-0.6 ms there against tens of microseconds here, and the accepts 0.74 ms
+against 0.14; benchmarks/results/2026-12-02.md).
 
 Owns the pinned host buffer (int32 [rows, words of the tokenizer's ids], grown on demand and
-reused step after step), the mask thread of the overlap loop, the per-row word of the last
-half-constrained step, and the fill counters that benchmarks/structured.py reads.
+reused step after step), the per-row word of the last half-constrained step, and the fill
+counters that benchmarks/structured.py reads.
 
 Invariants:
 - the host buffer is rewritten only after the copy of the step that used it has completed: the
   engine waits for a step's sampled tokens (which follow its mask's copy on the device) before
   it fills the next step's masks;
-- while a fill runs on the mask thread no other thread touches its matchers, and the
-  interpreter's switch interval is short (`SWITCH_INTERVAL_S`) until `wait` returns;
 - constrained rows never allow ids past the tokenizer's (a model's padding rows); rows without
   a grammar in a half-constrained step allow every id, as in a step without one.
 """
@@ -20,21 +20,14 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Container
-from concurrent import futures
 
 import torch
 
 from nanoserve.structured.matcher import GrammarMatcher, bitmask_words, fill_masks
 
 log = logging.getLogger("nanoserve")
-
-# The mask thread needs the GIL to start and to finish its fill, and the engine's thread, busy
-# preparing the next step, would hand it over only every 5 ms (Python's default switch
-# interval): far too late. Until `wait` it is handed over within 100 us.
-SWITCH_INTERVAL_S = 1e-4
 
 
 def grammar_end(req, token: int) -> str | None:
@@ -52,8 +45,6 @@ class StepMasks:
         self.device = device
         self._host: torch.Tensor | None = None
         self._free_rows: tuple[tuple | None, torch.Tensor | None] = (None, None)  # (n, rows) -> per-row word
-        self._thread: futures.ThreadPoolExecutor | None = None
-        self._switch_interval = sys.getswitchinterval()  # Python's, restored once a fill is done
         self.fill_s = 0.0  # host time filling masks
         self.num_filled = 0  # fills (one per masked step)
 
@@ -94,21 +85,6 @@ class StepMasks:
         fill_masks(matchers, host, rows)
         self.fill_s += time.perf_counter() - started
         self.num_filled += 1
-
-    def submit(self, matchers: list[GrammarMatcher], rows: list[int], host: torch.Tensor) -> futures.Future:
-        """`fill` on the mask thread; the caller `wait`s for it before the masks are used."""
-        if self._thread is None:
-            self._thread = futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
-        pending = self._thread.submit(self.fill, matchers, rows, host)
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
-        return pending
-
-    def wait(self, pending: futures.Future) -> None:
-        try:
-            pending.result()
-        finally:
-            sys.setswitchinterval(self._switch_interval)
 
     def device_mask(self, n: int, rows: list[int], host: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """The bitmask of n sampling rows on the device (None when no row is constrained):
