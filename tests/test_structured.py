@@ -369,9 +369,11 @@ def test_model_rows_past_the_tokenizer_are_never_allowed(tmp_path):
         llm.shutdown()
 
 
-def test_batch_mask_fill_equals_one_at_a_time(llm):
-    """`fill_masks` (xgrammar's threads) writes the rows `fill_mask` writes, for matchers of
-    different grammars in different states."""
+def test_batch_mask_fill_equals_one_at_a_time(llm, monkeypatch):
+    """`fill_masks` writes the rows `fill_mask` writes, for matchers of different grammars in
+    different states, on one thread and on xgrammar's pool (taken after a slow fill, left
+    after a fast one)."""
+    from nanoserve.structured import matcher as matcher_module
     from nanoserve.structured.matcher import bitmask_words, fill_masks
 
     service = llm.engine.grammar_service()
@@ -393,9 +395,14 @@ def test_batch_mask_fill_equals_one_at_a_time(llm):
     one = torch.zeros(len(matchers), words, dtype=torch.int32)
     for j, m in enumerate(matchers):
         m.fill_mask(one, j)
-    batched = torch.zeros_like(one)
-    fill_masks(matchers, batched)
-    assert torch.equal(one, batched)
+    monkeypatch.setattr(matcher_module, "_on_pool", False)
+    monkeypatch.setattr(matcher_module, "POOL_AFTER_S", 0.0)  # every one-thread fill counts as slow
+    monkeypatch.setattr(matcher_module, "ONE_THREAD_BELOW_S", 10.0)  # every pool fill as fast
+    for on_pool in (False, True, False):
+        assert matcher_module._on_pool == on_pool
+        batched = torch.zeros_like(one)
+        fill_masks(matchers, batched)
+        assert torch.equal(one, batched)
     assert len({tuple(r.tolist()) for r in one}) > 3, "the states should allow different tokens"
 
 

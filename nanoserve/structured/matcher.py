@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -39,25 +40,41 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-_batch: xgr.BatchGrammarMatcher | None = None
+# xgrammar's batch fill on one thread, or on its pool (a thread per two cores). The pool's
+# hand-offs cost more than they save on ordinary grammars: 64 rows of the structured
+# benchmark's schema filled in 45 us on one thread against 396 us on the pool of an H200's
+# 16-core host (benchmarks/results/2026-12-02.md). A grammar whose fills are slow (bounded
+# repetition: single fills up to ~5 ms) gains from it: a step whose one-thread fill took
+# longer than POOL_AFTER_S sends the next fills to the pool, until one takes less than
+# ONE_THREAD_BELOW_S there.
+POOL_AFTER_S = 1e-3
+ONE_THREAD_BELOW_S = 0.5e-3
+_fillers: dict[str, xgr.BatchGrammarMatcher] = {}
+_on_pool = False
+
+
+def _batch_fill(matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+    global _on_pool
+    kind = "pool" if _on_pool else "one"
+    if kind not in _fillers:
+        _fillers[kind] = xgr.BatchGrammarMatcher("auto" if _on_pool else 1)
+    started = time.perf_counter()
+    _fillers[kind].batch_fill_next_token_bitmask(matchers, bitmask, rows)
+    took = time.perf_counter() - started
+    _on_pool = took >= ONE_THREAD_BELOW_S if _on_pool else took > POOL_AFTER_S
 
 
 def fill_masks(matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
-    """Write matcher i's allowed next tokens into `bitmask[rows[i]]` (rows default: 0, 1, ...),
-    on xgrammar's worker threads (one per core): a step of 64 constrained requests fills its
-    masks in about the time of a few, where one at a time it took longer than the forward it
-    hides behind (benchmarks/results/2026-11-25.md, structured outputs). The rows equal `fill_mask`'s,
-    one matcher at a time."""
-    global _batch
+    """Write matcher i's allowed next tokens into `bitmask[rows[i]]` (rows default: 0, 1, ...)
+    in one call into xgrammar (`_batch_fill`: on one thread, or its pool for slow grammars).
+    The rows equal `fill_mask`'s, one matcher at a time."""
     if not matchers:
         return
     rows = list(range(len(matchers))) if rows is None else rows
     if len(matchers) == 1:
         matchers[0].fill_mask(bitmask, rows[0])
         return
-    if _batch is None:
-        _batch = xgr.BatchGrammarMatcher("auto")
-    _batch.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask, rows)
+    _batch_fill([m._matcher for m in matchers], bitmask, rows)
     for row, m in zip(rows, matchers):
         if m.phase == _UNDECIDED:
             _allow(bitmask, row, m.gate.start_token)
