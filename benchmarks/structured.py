@@ -320,9 +320,7 @@ def main() -> None:
                 at = time.strftime("%H:%M:%S", time.gmtime(run.started)) + f"{run.started % 1:.2f}"[1:]
                 print(f"  {kind:13s} {i:2d} at {at} UTC: {run.profile()}")
     if phases is not None:
-        print(
-            "the engine thread's time per step by phase, median over the rounds, ms (inclusive):"
-        )
+        print("the engine thread's time per step by phase, median over the rounds, ms (inclusive):")
         columns = ["step", "token wait", *PHASES]  # the median step; the wait for sampled tokens (in process)
         print(f"  {'':13s} " + " | ".join(columns))
         for kind, _ in runs:
