@@ -173,8 +173,8 @@ def test_preemption_keeps_the_grammar_state():
 
 def test_overlap_loop_gives_the_simple_loops_tokens():
     """The overlap loop processes the step in flight after a constrained step's forward and
-    fills its masks midway through that processing: the same tokens as the simple loop, for seeded and
-    greedy, constrained and free samples, through preemptions (a small KV cache)."""
+    fills its masks midway through that processing: the same tokens as the simple loop, for
+    seeded and greedy, constrained and free samples, through preemptions (a small KV cache)."""
     small = LLM("smollm2-135m", device="cpu", page_size=4, kv_cache_tokens=120, enable_prefix_caching=False)
     try:
         params = [constrained(s, json=RECORD) for s in range(3)]

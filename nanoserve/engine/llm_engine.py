@@ -22,8 +22,8 @@ the mask needs the previous step's tokens, so a step with a constrained row laun
 forward first and then processes the step in flight (the device runs the forward meanwhile):
 as soon as the grammars have taken that step's tokens, its masks are filled on this thread
 and its sampling is queued behind its forward, before the rest of the processing. Steps
-without one keep the plain overlap loop. A grammar that ends finishes its request with "stop"; max_tokens before that is
-"length".
+without one keep the plain overlap loop. A grammar that ends finishes its request with "stop";
+max_tokens before that is "length".
 
 Host cost: in the overlap loop the host prepares step N+1 while the device runs step N, so
 everything `step()` does per request is paid on every step; the decode path keeps it to a

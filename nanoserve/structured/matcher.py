@@ -49,17 +49,16 @@ def bitmask_words(vocab_size: int) -> int:
 # ONE_THREAD_BELOW_S there.
 POOL_AFTER_S = 1e-3
 ONE_THREAD_BELOW_S = 0.5e-3
-_fillers: dict[str, xgr.BatchGrammarMatcher] = {}
+_fillers: dict[bool, xgr.BatchGrammarMatcher] = {}  # on the pool -> its batch matcher
 _on_pool = False
 
 
 def _batch_fill(matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
     global _on_pool
-    kind = "pool" if _on_pool else "one"
-    if kind not in _fillers:
-        _fillers[kind] = xgr.BatchGrammarMatcher("auto" if _on_pool else 1)
+    if _on_pool not in _fillers:
+        _fillers[_on_pool] = xgr.BatchGrammarMatcher("auto" if _on_pool else 1)
     started = time.perf_counter()
-    _fillers[kind].batch_fill_next_token_bitmask(matchers, bitmask, rows)
+    _fillers[_on_pool].batch_fill_next_token_bitmask(matchers, bitmask, rows)
     took = time.perf_counter() - started
     _on_pool = took >= ONE_THREAD_BELOW_S if _on_pool else took > POOL_AFTER_S
 
