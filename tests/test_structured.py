@@ -371,10 +371,10 @@ def test_model_rows_past_the_tokenizer_are_never_allowed(tmp_path):
 
 def test_batch_mask_fill_equals_one_at_a_time(llm, monkeypatch):
     """`fill_masks` writes the rows `fill_mask` writes, for matchers of different grammars in
-    different states, on one thread and on xgrammar's pool (taken after a slow fill, left
-    after a fast one)."""
+    different states, on one thread and split across helper threads (chunks of every size
+    down to one row, rows out of order)."""
     from nanoserve.structured import matcher as matcher_module
-    from nanoserve.structured.matcher import bitmask_words, fill_masks
+    from nanoserve.structured.matcher import MaskFiller, bitmask_words, fill_masks
 
     service = llm.engine.grammar_service()
     tok = llm.tokenizer
@@ -383,7 +383,7 @@ def test_batch_mask_fill_equals_one_at_a_time(llm, monkeypatch):
         StructuredOutputs(regex="(yes|no)[0-9]{2,4}"),
         StructuredOutputs(choice=["red", "green", "blue"]),
     ]
-    prefixes = ['{"a": 1', "yes1", "gr", "", '{"', "no"]
+    prefixes = ['{"a": 1', "yes1", "gr", "", '{"', "no", "yes12", '{"a"']
     matchers = []
     for i, prefix in enumerate(prefixes):
         m = GrammarMatcher(service.compile(specs[i % 3] if prefix or i < 3 else specs[0]))
@@ -392,18 +392,34 @@ def test_batch_mask_fill_equals_one_at_a_time(llm, monkeypatch):
                 break
         matchers.append(m)
     words = bitmask_words(service.grammar_vocab_size)
+    rows = [5, 0, 7, 2, 1, 6, 3, 4]
     one = torch.zeros(len(matchers), words, dtype=torch.int32)
-    for j, m in enumerate(matchers):
-        m.fill_mask(one, j)
-    monkeypatch.setattr(matcher_module, "_on_pool", False)
-    monkeypatch.setattr(matcher_module, "POOL_AFTER_S", 0.0)  # every one-thread fill counts as slow
-    monkeypatch.setattr(matcher_module, "ONE_THREAD_BELOW_S", 10.0)  # every pool fill as fast
-    for on_pool in (False, True, False):
-        assert matcher_module._on_pool == on_pool
+    for row, m in zip(rows, matchers):
+        m.fill_mask(one, row)
+    monkeypatch.setattr(matcher_module, "MIN_ROWS_PER_THREAD", 1)
+    for threads in (1, 3, 8):
+        filler = MaskFiller(threads)
         batched = torch.zeros_like(one)
-        fill_masks(matchers, batched)
-        assert torch.equal(one, batched)
+        fill_masks(matchers, batched, rows, filler)
+        filler.shutdown()
+        assert torch.equal(one, batched), threads
     assert len({tuple(r.tolist()) for r in one}) > 3, "the states should allow different tokens"
+    with pytest.raises(ValueError, match="threads"):
+        MaskFiller(0)
+
+
+def test_a_grammar_ends_only_at_its_stop_token_and_rolls_back(llm):
+    """is_terminated asks xgrammar only after a stop token: a complete answer is not ended
+    until the stop token comes; a rollback over the stop token un-ends it."""
+    service = llm.engine.grammar_service()
+    m = GrammarMatcher(service.compile(StructuredOutputs(choice=["yes"])))
+    for t in llm.tokenizer.encode("yes", add_special_tokens=False):
+        assert m.accept(t) and not m.is_terminated
+    mark = m.checkpoint()
+    stop = min(m._stop_ids)
+    assert m.accept(stop) and m.is_terminated
+    m.rollback(mark)
+    assert not m.is_terminated
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -4,7 +4,8 @@ Owns `GrammarMatcher`: wraps an xgrammar matcher for one request (one per sample
 an n > 1 request get their own), counting the output tokens it has accepted. With a
 `ReasoningGate` it passes a reasoning model's thinking through unconstrained and starts the
 grammar after the thinking's end token (phases: undecided -> thinking -> answer, or
-undecided -> answer when the output does not begin with the start token).
+undecided -> answer when the output does not begin with the start token). Owns
+`MaskFiller`, a batch fill split across the calling thread and helper threads.
 
 Invariants:
 - `num_accepted` output tokens of the request have been accepted, in order, and no other
@@ -21,8 +22,10 @@ Invariants:
 
 from __future__ import annotations
 
-import time
+import functools
+import os
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import xgrammar as xgr
@@ -40,43 +43,70 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-# xgrammar's batch fill on one thread, or on its pool (a thread per two cores). The pool's
-# hand-offs cost more than they save on ordinary grammars: 64 rows of the structured
-# benchmark's schema filled in 45 us on one thread against 396 us on the pool of an H200's
-# 16-core host (benchmarks/results/2026-12-02.md). A grammar whose fills are slow (bounded
-# repetition: single fills up to ~5 ms) gains from it: a step whose one-thread fill took
-# longer than POOL_AFTER_S sends the next fills to the pool, until one takes less than
-# ONE_THREAD_BELOW_S there.
-POOL_AFTER_S = 1e-3
-ONE_THREAD_BELOW_S = 0.5e-3
-_fillers: dict[bool, xgr.BatchGrammarMatcher] = {}  # on the pool -> its batch matcher
-_on_pool = False
+# How a batch fill splits across threads. xgrammar's fill releases the GIL and scales: two
+# threads filled 1.8x the rows of one (the structured benchmark's schema, dev machine). Its own
+# pool ("auto") paid ~350 us a call on an H200's 16-core host (396 us for 64 rows that one
+# thread filled in 45 us), so the split is ours: chunks of at least MIN_ROWS_PER_THREAD rows
+# (a hand-off costs tens of microseconds, a row 2-7 us inside a JSON string), the first on the
+# calling thread, the others on persistent helper threads.
+MIN_ROWS_PER_THREAD = 16
 
 
-def _batch_fill(matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
-    global _on_pool
-    if _on_pool not in _fillers:
-        _fillers[_on_pool] = xgr.BatchGrammarMatcher("auto" if _on_pool else 1)
-    started = time.perf_counter()
-    _fillers[_on_pool].batch_fill_next_token_bitmask(matchers, bitmask, rows)
-    took = time.perf_counter() - started
-    _on_pool = took >= ONE_THREAD_BELOW_S if _on_pool else took > POOL_AFTER_S
+def default_fill_threads() -> int:
+    """A thread per four cores, at most four: one on a dev machine or a CI runner."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
-def fill_masks(matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+class MaskFiller:
+    """Batch mask fills (`fill`) on `threads` threads: the calling one and `threads - 1`
+    helpers, which only ever run xgrammar's fill on rows of their own chunk (each chunk
+    writes disjoint rows of the bitmask, and the call returns once every chunk has)."""
+
+    def __init__(self, threads: int = 1):
+        if threads < 1:
+            raise ValueError(f"mask fill threads must be >= 1, got {threads}")
+        self.threads = threads
+        self._batchers = [xgr.BatchGrammarMatcher(1) for _ in range(threads)]
+        self._helpers = ThreadPoolExecutor(threads - 1, thread_name_prefix="nanoserve-mask") if threads > 1 else None
+
+    def fill(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        n = len(matchers)
+        parts = max(1, min(self.threads, n // MIN_ROWS_PER_THREAD))
+        bounds = [n * i // parts for i in range(parts + 1)]
+        pending = [
+            self._helpers.submit(batcher.batch_fill_next_token_bitmask, matchers[a:b], bitmask, rows[a:b])
+            for batcher, a, b in zip(self._batchers[1:], bounds[1:-1], bounds[2:])
+        ]
+        self._batchers[0].batch_fill_next_token_bitmask(matchers[: bounds[1]], bitmask, rows[: bounds[1]])
+        for done in pending:
+            done.result()
+
+    def shutdown(self) -> None:
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=False)
+
+
+def fill_masks(
+    matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int] | None = None, filler: MaskFiller | None = None
+) -> None:
     """Write matcher i's allowed next tokens into `bitmask[rows[i]]` (rows default: 0, 1, ...)
-    in one call into xgrammar (`_batch_fill`: on one thread, or its pool for slow grammars).
-    The rows equal `fill_mask`'s, one matcher at a time."""
+    in one batch fill (`filler`'s threads; default one thread). The rows equal `fill_mask`'s,
+    one matcher at a time."""
     if not matchers:
         return
     rows = list(range(len(matchers))) if rows is None else rows
     if len(matchers) == 1:
         matchers[0].fill_mask(bitmask, rows[0])
         return
-    _batch_fill([m._matcher for m in matchers], bitmask, rows)
+    (filler or _one_thread()).fill([m._matcher for m in matchers], bitmask, rows)
     for row, m in zip(rows, matchers):
         if m.phase == _UNDECIDED:
             _allow(bitmask, row, m.gate.start_token)
+
+
+@functools.cache
+def _one_thread() -> MaskFiller:
+    return MaskFiller(1)
 
 
 _UNDECIDED, _THINKING, _ANSWER = "undecided", "thinking", "answer"
@@ -95,6 +125,10 @@ class GrammarMatcher:
         self._matcher = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0
         self._fed = 0  # tokens the xgrammar matcher itself accepted (the answer's)
+        # xgrammar's matcher terminates only by accepting a stop token: is_terminated asks it
+        # only after one (saves a call into xgrammar per token).
+        self._stop_ids = frozenset(self._matcher.stop_token_ids)
+        self._terminated = False
         if gate is None:
             self.phase = _ANSWER
         else:
@@ -122,6 +156,8 @@ class GrammarMatcher:
             if not self._matcher.accept_token(token):
                 return False
             self._fed += 1
+            if token in self._stop_ids:
+                self._terminated = self._matcher.is_terminated()
             self.phase = _ANSWER
         self.num_accepted += 1
         return True
@@ -135,6 +171,7 @@ class GrammarMatcher:
         phase, num_accepted, fed = mark
         if self._fed > fed:
             self._matcher.rollback(self._fed - fed)
+            self._terminated = self._matcher.is_terminated()
         self.phase, self.num_accepted, self._fed = phase, num_accepted, fed
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -147,4 +184,4 @@ class GrammarMatcher:
     @property
     def is_terminated(self) -> bool:
         """The grammar has ended (it accepted a stop token): nothing may follow."""
-        return self.phase == _ANSWER and self._matcher.is_terminated()
+        return self.phase == _ANSWER and self._terminated
