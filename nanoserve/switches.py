@@ -59,9 +59,6 @@ class KernelSwitches:
     fused_16_rows: bool = True
     # Decode attention launches the kv heads of a request next to each other; off: one head of every request first.
     decode_heads_first: bool = True
-    # Threads that fill a constrained step's grammar masks (nanoserve/structured/matcher.py's MaskFiller):
-    # 0 picks a thread per four cores, at most four; 1 is the engine's thread alone (the slow twin).
-    mask_fill_threads: int = 0
     # Triton sampler for greedy / plain-temperature batches; off: the torch path.
     fused_sampler: bool = True
     # Gated DeltaNet prefill (Qwen3.5) through fla-core's varlen chunked kernels on CUDA in 16-bit, where
@@ -100,8 +97,6 @@ class KernelSwitches:
             raise ValueError(f"{PREFIX}SYMM_PROTOCOL={self.symm_protocol!r}: expected 'auto', 'll' or 'pull'")
         if self.tp_teardown not in ("abort", "destroy"):
             raise ValueError(f"{PREFIX}TP_TEARDOWN={self.tp_teardown!r}: expected 'abort' or 'destroy'")
-        if self.mask_fill_threads < 0:
-            raise ValueError(f"{PREFIX}MASK_FILL_THREADS={self.mask_fill_threads}: must be >= 0 (0: automatic)")
         if self.symm_mem_max_bytes < 0:
             raise ValueError(f"{PREFIX}SYMM_MEM_MAX_BYTES={self.symm_mem_max_bytes}: must be >= 0")
 

@@ -371,10 +371,10 @@ def test_model_rows_past_the_tokenizer_are_never_allowed(tmp_path):
 
 def test_batch_mask_fill_equals_one_at_a_time(llm, monkeypatch):
     """`fill_masks` writes the rows `fill_mask` writes, for matchers of different grammars in
-    different states, on one thread and split across helper threads (chunks of every size
-    down to one row, rows out of order)."""
+    different states, rows out of order, on one thread and on xgrammar's pool (taken after a
+    slow one-thread fill for POOL_FILLS fills, then one thread again)."""
     from nanoserve.structured import matcher as matcher_module
-    from nanoserve.structured.matcher import MaskFiller, bitmask_words, fill_masks
+    from nanoserve.structured.matcher import bitmask_words, fill_masks
 
     service = llm.engine.grammar_service()
     tok = llm.tokenizer
@@ -396,16 +396,15 @@ def test_batch_mask_fill_equals_one_at_a_time(llm, monkeypatch):
     one = torch.zeros(len(matchers), words, dtype=torch.int32)
     for row, m in zip(rows, matchers):
         m.fill_mask(one, row)
-    monkeypatch.setattr(matcher_module, "MIN_ROWS_PER_THREAD", 1)
-    for threads in (1, 3, 8):
-        filler = MaskFiller(threads)
+    monkeypatch.setattr(matcher_module, "_pool_fills_left", 0)
+    monkeypatch.setattr(matcher_module, "POOL_FILLS", 2)
+    monkeypatch.setattr(matcher_module, "SLOW_ROW_S", 0.0)  # every one-thread fill counts as slow
+    for on_pool in (False, True, True, False):
+        assert (matcher_module._pool_fills_left > 0) == on_pool
         batched = torch.zeros_like(one)
-        fill_masks(matchers, batched, rows, filler)
-        filler.shutdown()
-        assert torch.equal(one, batched), threads
+        fill_masks(matchers, batched, rows)
+        assert torch.equal(one, batched), on_pool
     assert len({tuple(r.tolist()) for r in one}) > 3, "the states should allow different tokens"
-    with pytest.raises(ValueError, match="threads"):
-        MaskFiller(0)
 
 
 def test_a_grammar_ends_only_at_its_stop_token_and_rolls_back(llm):

@@ -62,7 +62,7 @@ from nanoserve.scheduler.request import Request
 from nanoserve.scheduler.scheduler import ScheduledBatch, Scheduler
 from nanoserve.step import ForwardInputs
 from nanoserve.structured.compiler import GrammarError, GrammarService, PendingGrammar
-from nanoserve.structured.matcher import GrammarMatcher, default_fill_threads
+from nanoserve.structured.matcher import GrammarMatcher
 from nanoserve.structured.step_masks import StepMasks, grammar_end
 from nanoserve.switches import log_nondefault
 from nanoserve.tokenizer import load_tokenizer
@@ -170,7 +170,7 @@ class LLMEngine:
         self._compiling: list[tuple[Request, PendingGrammar]] = []  # constrained requests not yet queued
         self.num_constrained = 0  # queued requests with a matcher (the step loop skips grammar work at 0)
         # Constrained steps' bitmasks (nanoserve/structured/step_masks.py; benchmarks/structured.py reads its counters).
-        self.step_masks = StepMasks(self.device, config.switches.mask_fill_threads or default_fill_threads())
+        self.step_masks = StepMasks(self.device)
         if self.device.type == "cuda" and tp.rank == 0:  # worker ranks follow rank 0's steps
             self._warm_up()
             log_compiles(True)  # what the warm-up missed, as it happens
@@ -662,8 +662,7 @@ class LLMEngine:
         }
 
     def shutdown(self) -> None:
-        """Stop the mask-fill helper threads and the tensor-parallel worker ranks; idempotent."""
-        self.step_masks.shutdown()
+        """Stop the tensor-parallel worker ranks (nothing to do at TP=1); idempotent."""
         stop = getattr(self.runner, "shutdown", None)
         if callable(stop):
             stop()

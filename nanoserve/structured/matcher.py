@@ -4,8 +4,7 @@ Owns `GrammarMatcher`: wraps an xgrammar matcher for one request (one per sample
 an n > 1 request get their own), counting the output tokens it has accepted. With a
 `ReasoningGate` it passes a reasoning model's thinking through unconstrained and starts the
 grammar after the thinking's end token (phases: undecided -> thinking -> answer, or
-undecided -> answer when the output does not begin with the start token). Owns
-`MaskFiller`, a batch fill split across the calling thread and helper threads.
+undecided -> answer when the output does not begin with the start token).
 
 Invariants:
 - `num_accepted` output tokens of the request have been accepted, in order, and no other
@@ -22,10 +21,8 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
-import os
+import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import xgrammar as xgr
@@ -43,70 +40,48 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-# How a batch fill splits across threads. xgrammar's fill releases the GIL and scales: two
-# threads filled 1.8x the rows of one (the structured benchmark's schema, dev machine). Its own
-# pool ("auto") paid ~350 us a call on an H200's 16-core host (396 us for 64 rows that one
-# thread filled in 45 us), so the split is ours: chunks of at least MIN_ROWS_PER_THREAD rows
-# (a hand-off costs tens of microseconds, a row 2-7 us inside a JSON string), the first on the
-# calling thread, the others on persistent helper threads.
-MIN_ROWS_PER_THREAD = 16
+# xgrammar's batch fill on one thread, or on its pool (a thread per two cores). The pool's
+# hand-offs cost more than they save on ordinary grammars: inside a JSON string a row takes
+# 6-8 us on one thread of an H200's host, and the pool paid ~350 us a call there (64 rows in
+# 396 us that one thread filled in 45; benchmarks/results/2026-12-02.md); helper threads of our
+# own, each filling a chunk, did not help either (2026-12-03). A grammar whose fills are slow
+# (bounded repetition: ~67 us a row on average, single fills up to ~5 ms) gains from it: a
+# one-thread fill slower than SLOW_ROW_S a row sends the next POOL_FILLS fills to the pool,
+# then one thread is measured again (a single slow step, a GC pause or a preemption, costs at
+# most POOL_FILLS pool fills).
+SLOW_ROW_S = 30e-6
+POOL_FILLS = 32
+_fillers: dict[bool, xgr.BatchGrammarMatcher] = {}  # on the pool -> its batch matcher
+_pool_fills_left = 0
 
 
-def default_fill_threads() -> int:
-    """A thread per four cores, at most four: one on a dev machine or a CI runner."""
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+def _batch_fill(matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+    global _pool_fills_left
+    on_pool = _pool_fills_left > 0
+    if on_pool not in _fillers:
+        _fillers[on_pool] = xgr.BatchGrammarMatcher("auto" if on_pool else 1)
+    started = time.perf_counter()
+    _fillers[on_pool].batch_fill_next_token_bitmask(matchers, bitmask, rows)
+    if on_pool:
+        _pool_fills_left -= 1
+    elif time.perf_counter() - started > SLOW_ROW_S * len(matchers):
+        _pool_fills_left = POOL_FILLS
 
 
-class MaskFiller:
-    """Batch mask fills (`fill`) on `threads` threads: the calling one and `threads - 1`
-    helpers, which only ever run xgrammar's fill on rows of their own chunk (each chunk
-    writes disjoint rows of the bitmask, and the call returns once every chunk has)."""
-
-    def __init__(self, threads: int = 1):
-        if threads < 1:
-            raise ValueError(f"mask fill threads must be >= 1, got {threads}")
-        self.threads = threads
-        self._batchers = [xgr.BatchGrammarMatcher(1) for _ in range(threads)]
-        self._helpers = ThreadPoolExecutor(threads - 1, thread_name_prefix="nanoserve-mask") if threads > 1 else None
-
-    def fill(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
-        n = len(matchers)
-        parts = max(1, min(self.threads, n // MIN_ROWS_PER_THREAD))
-        bounds = [n * i // parts for i in range(parts + 1)]
-        pending = [
-            self._helpers.submit(batcher.batch_fill_next_token_bitmask, matchers[a:b], bitmask, rows[a:b])
-            for batcher, a, b in zip(self._batchers[1:], bounds[1:-1], bounds[2:])
-        ]
-        self._batchers[0].batch_fill_next_token_bitmask(matchers[: bounds[1]], bitmask, rows[: bounds[1]])
-        for done in pending:
-            done.result()
-
-    def shutdown(self) -> None:
-        if self._helpers is not None:
-            self._helpers.shutdown(wait=False)
-
-
-def fill_masks(
-    matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int] | None = None, filler: MaskFiller | None = None
-) -> None:
+def fill_masks(matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
     """Write matcher i's allowed next tokens into `bitmask[rows[i]]` (rows default: 0, 1, ...)
-    in one batch fill (`filler`'s threads; default one thread). The rows equal `fill_mask`'s,
-    one matcher at a time."""
+    in one call into xgrammar (`_batch_fill`: on one thread, or its pool for slow grammars).
+    The rows equal `fill_mask`'s, one matcher at a time."""
     if not matchers:
         return
     rows = list(range(len(matchers))) if rows is None else rows
     if len(matchers) == 1:
         matchers[0].fill_mask(bitmask, rows[0])
         return
-    (filler or _one_thread()).fill([m._matcher for m in matchers], bitmask, rows)
+    _batch_fill([m._matcher for m in matchers], bitmask, rows)
     for row, m in zip(rows, matchers):
         if m.phase == _UNDECIDED:
             _allow(bitmask, row, m.gate.start_token)
-
-
-@functools.cache
-def _one_thread() -> MaskFiller:
-    return MaskFiller(1)
 
 
 _UNDECIDED, _THINKING, _ANSWER = "undecided", "thinking", "answer"

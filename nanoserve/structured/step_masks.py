@@ -1,10 +1,9 @@
 """A step's grammar bitmasks: which sampling rows get one, their host buffer, the fill and the
 device mask the sampler applies; and the grammars' advance by a processed step's tokens
-(`grammar_end`, `StepMasks.advance`). All of it is called on the engine's thread: xgrammar's calls
-release the GIL, so on a mask thread running beside the engine every call traded it with the
-engine's thread (a 64-row fill took 0.5-0.6 ms there, and the accepts 0.74 ms against 0.14;
-benchmarks/results/2026-12-02.md). Only the fill itself is split: the engine's thread fills a
-chunk of the rows while helper threads fill the others (`MaskFiller`), and waits for them.
+(`grammar_end`, `StepMasks.advance`). All of it runs on the engine's thread: xgrammar's calls
+release the GIL, so on a second thread every call traded it with the engine's thread (a
+64-row fill took 0.5-0.6 ms there against tens of microseconds here, and the accepts 0.74 ms
+against 0.14; benchmarks/results/2026-12-02.md).
 
 Owns the pinned host buffer (int32 [rows, words of the tokenizer's ids], grown on demand and
 reused step after step), the per-row word of the last half-constrained step, and the fill
@@ -26,7 +25,7 @@ from collections.abc import Container
 
 import torch
 
-from nanoserve.structured.matcher import GrammarMatcher, MaskFiller, bitmask_words, fill_masks
+from nanoserve.structured.matcher import GrammarMatcher, bitmask_words, fill_masks
 
 log = logging.getLogger("nanoserve")
 
@@ -42,9 +41,8 @@ def grammar_end(req, token: int) -> str | None:
 
 
 class StepMasks:
-    def __init__(self, device: torch.device, fill_threads: int = 1):
+    def __init__(self, device: torch.device):
         self.device = device
-        self.filler = MaskFiller(fill_threads)
         self._host: torch.Tensor | None = None
         self._free_rows: tuple[tuple | None, torch.Tensor | None] = (None, None)  # (n, rows) -> per-row word
         self.fill_s = 0.0  # host time filling masks
@@ -84,12 +82,9 @@ class StepMasks:
         """Matcher i's mask into row rows[i] of `host`; other rows keep whatever they held
         (`device_mask` overrides them)."""
         started = time.perf_counter()
-        fill_masks(matchers, host, rows, self.filler)
+        fill_masks(matchers, host, rows)
         self.fill_s += time.perf_counter() - started
         self.num_filled += 1
-
-    def shutdown(self) -> None:
-        self.filler.shutdown()
 
     def device_mask(self, n: int, rows: list[int], host: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """The bitmask of n sampling rows on the device (None when no row is constrained):
