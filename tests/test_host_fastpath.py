@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.cuda_graph import DecodeGraphs
+from nanoserve.engine.cuda_graph import VARIANTS, DecodeGraphs
 from nanoserve.engine.sampler import Sampler, SampleRow
 from nanoserve.kvcache.pool import PageTable
 from tests.tiny import VOCAB, make_tiny_model, random_prompts
@@ -138,33 +138,39 @@ def check_every_prepare(llm: LLM) -> dict:
 
 
 class _EagerGraph:
-    """Stands in for the captured graph of size bs (with cascade kernels or not): runs the
-    eager forward on the static inputs (what the graph captured) and writes the static output."""
+    """Stands in for the captured graph of size bs and its variant (plain, cascade, runs):
+    runs the eager forward on the static inputs (what the graph captured) and writes the
+    static output."""
 
-    def __init__(self, graphs: DecodeGraphs, runner, bs: int, cascade: bool):
-        self.graphs, self.runner, self.bs, self.cascade = graphs, runner, bs, cascade
+    def __init__(self, graphs: DecodeGraphs, runner, bs: int, variant: str):
+        self.graphs, self.runner, self.bs, self.variant = graphs, runner, bs, variant
 
     def replay(self) -> None:
         g = self.graphs
-        inputs = g._static_inputs(self.bs, self.cascade)
+        inputs = g._static_inputs(self.bs, self.variant)
         # The torch backend counts a row's queries as seq_len - prefix_len; a padding row
         # (length 0) still holds one query in a decode batch: prefix -1 says so (a real
         # decode row has prefix == seq_len - 1 already).
         inputs.meta = dataclasses.replace(inputs.meta, prefix_lens=inputs.meta.seq_lens - 1)
-        g.outputs[(self.bs, self.cascade)].copy_(self.runner.forward_logits(inputs))
+        g.outputs[(self.bs, self.variant)].copy_(self.runner.forward_logits(inputs))
 
 
 def emulate_graphs(llm: LLM, max_bs: int, reads_pool: bool = False) -> DecodeGraphs:
     runner = llm.engine.runner
     g = DecodeGraphs(
-        runner, max_bs, llm.engine.max_model_len, cascade=runner.cascade_members > 0, reads_pool=reads_pool
+        runner,
+        max_bs,
+        llm.engine.max_model_len,
+        cascade=runner.cascade_members > 0,
+        reads_pool=reads_pool,
+        run_rows=runner.max_run_rows,
     )
     for bs in g.sizes:
-        for cascade in (False, True) if g.has_cascade(bs) else (False,):
+        for variant in (v for v in VARIANTS if g.has_variant(bs, v)):
             with torch.inference_mode():  # as in `capture`: views made there are inference views
-                g.views(bs, cascade)
-            g.graphs[(bs, cascade)] = _EagerGraph(g, runner, bs, cascade)
-            g.outputs[(bs, cascade)] = torch.zeros(bs, runner.model.config.vocab_size)
+                g.views(bs, variant)
+            g.graphs[(bs, variant)] = _EagerGraph(g, runner, bs, variant)
+            g.outputs[(bs, variant)] = torch.zeros(bs, runner.model.config.vocab_size)
     runner.graphs = g
     return g
 

@@ -9,6 +9,7 @@ its distribution: token frequencies with speculation on and off, on a 16-token v
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import pytest
@@ -20,6 +21,8 @@ from nanoserve.engine.speculative.acceptance import accept_greedy, accept_sample
 from nanoserve.engine.speculative.ngram import NgramIndex, SuffixStore
 from nanoserve.engine.speculative.step import PROBE_EVERY
 from tests.tiny import first_layer_draft, make_tiny_model
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +198,33 @@ def test_greedy_output_is_speculation_off_output(models, reference, algo, overla
     assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
 
 
+@pytest.mark.skipif(
+    not INTERPRET, reason="needs triton's interpreter (TRITON_INTERPRET=1, set by conftest without a GPU)"
+)
+@pytest.mark.slow
+def test_verify_runs_through_the_triton_runs_kernel_losslessly(models, reference):
+    """The Triton backend reads a verify step's positions of one request in one program (the
+    runs kernel, in the interpreter here; tests/test_triton_attention.py checks it eagerly);
+    through the runs graphs (emulated), greedy output and logprobs stay speculation off's."""
+    from tests.test_host_fastpath import emulate_graphs
+
+    llm = LLM(
+        str(models["target"]), device="cpu", dtype="float32", attention_backend="triton", **_spec("ngram", models)
+    )
+    runner = llm.engine.runner
+    assert runner.max_run_rows == 5
+    emulate_graphs(llm, 16)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    assert _tokens(outs) == _tokens(reference)
+    for got, want in zip(outs, reference):
+        for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert runner.num_runs_steps > 0
+    assert any(key[1] == "runs" for key in runner.graphs.graphs)
+    llm.engine.check_invariants()
+
+
 @pytest.mark.parametrize("algo", ["ngram", "draft"])
 def test_stops_limits_and_penalties_match_speculation_off(models, algo):
     prompts = _prompts()
@@ -327,6 +357,7 @@ def test_greedy_identity_on_gpu(models, algo, eager):
         assert _tokens(llm.generate(_prompts(), params, use_tqdm=False)) == _tokens(want)
     llm.engine.check_invariants()
     assert llm.stats()["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert llm.engine.runner.num_runs_steps > 0  # verify steps through the runs kernel
 
 
 def test_metrics_export_the_engine_counters_under_vllm_names():

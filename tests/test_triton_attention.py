@@ -13,6 +13,7 @@ unwritten element fails).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import random
@@ -178,6 +179,58 @@ def test_interp_decode_gqa3_splits(page_size):
     case = make_case([(n - 1, 1) for n in lens], 6, 2, 32, page_size, torch.float32, "cpu", seed=1, decode=True)
     assert case.q.device.type == "cpu"
     check(case, tol=2e-3)  # fp32 products on CPU: far under bf16's bar
+
+
+def runs_case(runs: list[tuple[int, int]], num_q_heads, num_kv_heads, head_dim, page_size, dtype, device, seed):
+    """A verify step's decode batch: per request (context, positions), `positions` rows that
+    are its next positions, each a decode row of its own over the request's pages (the K/V of
+    the earlier rows stored as the step stores them), and the runs those rows form."""
+    from nanoserve.kernels.attention import RunInputs
+
+    case = make_case(runs, num_q_heads, num_kv_heads, head_dim, page_size, dtype, device, seed)
+    m = case.meta
+    owner = [i for i, (_, n) in enumerate(runs) for _ in range(n)]
+    seq = [p + j + 1 for p, n in runs for j in range(n)]
+    first_rows = [sum(n for _, n in runs[:i]) for i in range(len(runs))]
+    run_rows = torch.zeros(len(seq), dtype=torch.int32)
+    run_rows[first_rows] = torch.tensor([n for _, n in runs], dtype=torch.int32)
+    to = {"device": device}
+    meta = AttentionMetadata(
+        is_decode=True,
+        seq_lens=torch.tensor(seq, dtype=torch.int32, **to),
+        prefix_lens=torch.tensor([s - 1 for s in seq], dtype=torch.int32, **to),
+        cu_query_lens=torch.arange(len(seq) + 1, dtype=torch.int32, **to),
+        page_table=m.page_table[torch.tensor(owner, device=m.page_table.device)].contiguous(),
+        slot_mapping=m.slot_mapping,
+        seq_lens_host=seq,
+        prefix_lens_host=[s - 1 for s in seq],
+        max_query_len=1,
+        max_seq_len=max(seq),
+        runs=RunInputs(run_rows.to(device), max(n for _, n in runs), len(runs)),
+    )
+    return dataclasses.replace(case, meta=meta)
+
+
+@interp
+@pytest.mark.parametrize("max_splits", [1, 4])
+def test_interp_decode_runs(max_splits):
+    """A verify batch's runs (one program reads a request's K/V for all its positions) give
+    each row its own causal attention: against the torch backend, which attends row by row."""
+    from nanoserve.attention.triton_backend import TritonAttentionBackend
+
+    runs = [(36, 5), (3, 1), (70, 3), (0, 2)]  # a run of one row and one from position 0 among them
+    case = runs_case(runs, 6, 2, 32, 4, torch.float32, "cpu", seed=11)
+    check(case, tol=2e-3, backend=TritonAttentionBackend(max_splits=max_splits))
+
+
+@interp
+def test_interp_decode_runs_bf16_sinks():
+    from nanoserve.attention.triton_backend import TritonAttentionBackend
+
+    case = runs_case([(20, 4), (41, 4)], 8, 2, 16, 4, torch.bfloat16, "cpu", seed=12)
+    sinks = torch.randn(8)
+    for splits in (1, 3):
+        check(case, tol=1e-2, backend=TritonAttentionBackend(max_splits=splits), sinks=sinks)
 
 
 @interp
@@ -358,6 +411,20 @@ def test_decode(shape):
     seed = rng.randrange(1 << 30)
     case = make_case([(n - 1, 1) for n in lens], hq, hkv, d, page, torch.bfloat16, "cuda", seed=seed, decode=True)
     check(case, tol=1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("max_splits", [1, 32])
+def test_decode_runs(dtype, max_splits):
+    """Verify batches through the runs kernel (llama's head shape): runs of 1..5 positions over
+    ragged contexts, one program per run and split against the torch backend's rows."""
+    from nanoserve.attention.triton_backend import TritonAttentionBackend
+
+    rng = random.Random(13)
+    runs = [(rng.randint(0, 3000), rng.randint(1, 5)) for _ in range(12)] + [(4090, 5)]
+    case = runs_case(runs, 32, 8, 128, 16, dtype, "cuda", seed=14)
+    check(case, tol=1e-2 if dtype == torch.bfloat16 else 1e-4, backend=TritonAttentionBackend(max_splits=max_splits))
 
 
 @gpu

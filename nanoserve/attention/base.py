@@ -24,7 +24,11 @@ Invariants of a batch's metadata (B requests, T new tokens in all):
   part's device tensors that attention kernels read (query offsets, prefix lengths, page
   table) start at 16-byte boundaries whatever k is;
 - `cascade` (decode only, optional) groups requests that share a prefix of pages; it
-  changes how attention is computed, never its result (see nanoserve.attention.cascade).
+  changes how attention is computed, never its result (see nanoserve.attention.cascade);
+- `runs` (decode only, optional, never with `cascade`) marks rows that are consecutive
+  positions of one request (a verify step's; nanoserve.engine.speculative.positions): same
+  page-table row, lengths one apart, in order. A backend may read their K/V once per run;
+  the result is each row's own attention either way.
 
 Per layer (not per batch), `forward` takes the layer's kind: `window` > 0 for a
 sliding-window layer (the token at position p attends to positions p - window + 1 .. p only,
@@ -43,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.kernels.attention import CascadeInputs
+from nanoserve.kernels.attention import CascadeInputs, RunInputs
 from nanoserve.kvcache.linear_state import LinearStates
 
 
@@ -62,6 +66,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     cascade: CascadeInputs | None = None
+    runs: RunInputs | None = None
     num_decode_rows: int = 0  # mixed batch: leading rows that decode one token each
 
     @property

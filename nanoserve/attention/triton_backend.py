@@ -71,6 +71,17 @@ class TritonAttentionBackend(AttentionBackend):
     def decode_num_splits(self, batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
         return tk.choose_num_splits(batch, num_kv_heads, max_seq_len, self.num_sms(device), self.max_splits)
 
+    def runs_num_splits(self, num_runs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+        """The runs kernel's split count (`meta.runs`): per run, as a request's for decode."""
+        sms = self.num_sms(device)
+        return tk.choose_num_splits(num_runs, num_kv_heads, max_seq_len, sms, self.max_splits, tk.RUNS_PROGRAMS_PER_SM)
+
+    @staticmethod
+    def max_run_rows(group: int) -> int:
+        """The longest run the runs kernel takes for `group` query heads per kv head: its
+        query tile holds every position's heads, at most RUNS_MAX_TILE rows."""
+        return RUNS_MAX_TILE // group
+
     def prepare(self, meta: AttentionMetadata, group_metas: tuple[AttentionMetadata, ...] = ()) -> None:
         # Host-side decisions only. The decode split count needs the kv-head count, known at
         # forward; it is computed there from host ints (B, meta.max_seq_len), no data read.
@@ -92,16 +103,21 @@ class TritonAttentionBackend(AttentionBackend):
         max_seq_len: int,
         device,
         cascade: bool = False,
+        run_rows: int = 0,
     ) -> None:
         """Allocate the decode workspace for the largest batch/length before graph capture
-        (with `cascade`, room for the cascade prefix kernel's partial results too)."""
+        (with `cascade`, room for the cascade prefix kernel's partial results too; with
+        `run_rows` > 1, for the runs graphs' splits)."""
         worst = 0
+        dev = torch.device(device)
         for batch in range(1, max_batch + 1):
-            splits = self.decode_num_splits(batch, num_kv_heads, max_seq_len, torch.device(device))
+            splits = self.decode_num_splits(batch, num_kv_heads, max_seq_len, dev)
             cols = self.decode_num_cols(splits, cascade)
+            if run_rows > 1:  # the runs graph of this size: ceil(batch / run_rows) runs
+                cols = max(cols, self.runs_num_splits(-(-batch // run_rows), num_kv_heads, max_seq_len, dev))
             if cols > 1:
                 worst = max(worst, tk.workspace_numel(batch, num_q_heads, head_dim, cols))
-        self._get_workspace(worst, torch.device(device))
+        self._get_workspace(worst, dev)
 
     @staticmethod
     def decode_num_cols(num_splits: int, cascade: bool) -> int:
@@ -178,7 +194,11 @@ class TritonAttentionBackend(AttentionBackend):
             num_kv_heads = k_cache.shape[2]
             # A windowed layer splits its window, not the whole context (host ints only).
             span = meta.max_seq_len if window <= 0 else min(window, meta.max_seq_len)
-            splits = self.decode_num_splits(batch, num_kv_heads, span, q.device)
+            runs = meta.runs if window <= 0 else None  # a windowed layer attends row by row
+            if runs is not None:
+                splits = self.runs_num_splits(runs.count, num_kv_heads, span, q.device)
+            else:
+                splits = self.decode_num_splits(batch, num_kv_heads, span, q.device)
             cascade = meta.cascade if window <= 0 else None
             cols = self.decode_num_cols(splits, cascade is not None)
             ws = None
@@ -199,6 +219,7 @@ class TritonAttentionBackend(AttentionBackend):
                 pdl=self.switches.pdl,
                 window=window,
                 sinks=sinks,
+                runs=runs,
             )
         return tk.paged_extend(
             q,
@@ -218,6 +239,9 @@ class TritonAttentionBackend(AttentionBackend):
 
 
 _FA2_DTYPES = (torch.float16, torch.bfloat16)
+# The runs kernel's query tile at most (rows = positions x query heads per kv head); a longer
+# run would need a larger tile than the decode configs were measured with.
+RUNS_MAX_TILE = 64
 
 
 def _fa2_varlen(

@@ -9,7 +9,10 @@ Invariants:
 - graphs are captured for sizes 1, 2, 4, 8, then every 16 up to `max_bs` (and `max_bs`
   itself), largest first, all in one memory pool, after an eager warm-up of each size;
   with `cascade`, sizes >= MIN_CASCADE_BATCH get a second graph whose attention runs the
-  cascade kernels (nanoserve.attention.cascade), replayed for steps that carry a plan;
+  cascade kernels (nanoserve.attention.cascade), replayed for steps that carry a plan; with
+  `run_rows` > 1 (speculative decoding), sizes >= 2 get one whose attention runs the runs
+  kernel (runs of at most run_rows rows), replayed for verify steps. A graph's variant is
+  one of VARIANTS;
 - the captured metadata says max_seq_len = the engine's max_model_len, so the Triton
   decode split count is fixed at capture while each request's work follows its device-side
   length; the page table is [max_bs, ceil(max_model_len / page_size)] and a replay writes
@@ -19,7 +22,7 @@ Invariants:
 - a replay's output is a view into the graph's static logits, valid until the next replay
   (the sampler reads it on the same stream before that);
 - the graph of size bs reads its inputs but the page table from `static` laid out as
-  `decode_layout(bs, cascade=...)` (`nanoserve.engine.packed_inputs`): `ModelRunner.prepare` copies a
+  `decode_layout(bs, ...)` of its variant (`nanoserve.engine.packed_inputs`): `ModelRunner.prepare` copies a
   decode step's packed inputs there in one host-to-device copy and its page table into
   `page_table`, so such a replay copies nothing; inputs from elsewhere (another rank's
   broadcast) are copied in field by field. Sizes share the buffer, so a replay of size bs
@@ -35,7 +38,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from nanoserve.attention.base import AttentionMetadata, CascadeInputs
+from nanoserve.attention.base import AttentionMetadata, CascadeInputs, RunInputs
 from nanoserve.attention.cascade import ITEM_FIELDS, MIN_CASCADE_BATCH, max_cascade_items
 from nanoserve.engine.packed_inputs import PackedLayout
 from nanoserve.step import ForwardInputs
@@ -44,6 +47,9 @@ log = logging.getLogger("nanoserve")
 
 
 MEMO_TABLE_ENTRIES = 1 << 16  # page tables up to this size are compared with the last one staged
+# A decode graph's attention: one row per request, a cascade plan, or runs of positions.
+PLAIN, CASCADE, RUNS = "plain", "cascade", "runs"
+VARIANTS = (PLAIN, CASCADE, RUNS)
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -54,17 +60,22 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def decode_layout(bs: int, width: int = 0, cascade: bool = False) -> PackedLayout:
+def decode_layout(bs: int, width: int = 0, variant: str = PLAIN) -> PackedLayout:
     """The packed inputs of a decode step padded to `bs` rows, page table `width` wide, with
-    room for a cascade plan if `cascade`."""
+    room for a cascade plan or the runs of `variant`."""
     plan = {
         "cascade_prefix_len": bs, "cascade_num_parts": bs, "cascade_members": bs,
         "cascade_items": max_cascade_items(bs) * len(ITEM_FIELDS),
-    } if cascade else {}  # fmt: skip
+    } if variant == CASCADE else {"run_rows": bs} if variant == RUNS else {}  # fmt: skip
     return PackedLayout(
         input_ids=bs, positions=bs, slot_mapping=bs, req_slots=bs, pool_index=bs,
         seq_lens=bs, prefix_lens=bs, cu_query_lens=bs + 1, page_table=bs * width, **plan,
     )  # fmt: skip
+
+
+def variant_of(meta: AttentionMetadata) -> str:
+    """The graph variant a decode step's metadata replays."""
+    return CASCADE if meta.cascade is not None else RUNS if meta.runs is not None else PLAIN
 
 
 def cascade_inputs(views: dict[str, torch.Tensor]) -> CascadeInputs:
@@ -85,10 +96,19 @@ def default_max_bs(device: torch.device, max_num_seqs: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_bs: int, max_seq_len: int, cascade: bool = False, reads_pool: bool = False):
+    def __init__(
+        self,
+        runner,
+        max_bs: int,
+        max_seq_len: int,
+        cascade: bool = False,
+        reads_pool: bool = False,
+        run_rows: int = 0,
+    ):
         """`reads_pool`: the graphs' embedding reads the input ids still being sampled from
         the runner's token pool (one GPU; a tensor-parallel worker has no pool, rank 0
-        resolves the ids before it broadcasts them)."""
+        resolves the ids before it broadcasts them). `run_rows`: the longest run of a
+        verify step (0: no runs graphs)."""
         # `runner` is not kept: it owns these graphs, and a reference back would make the pair a
         # cycle that only the garbage collector frees (with the KV cache behind it).
         self.max_bs = max_bs
@@ -96,17 +116,18 @@ class DecodeGraphs:
         self.max_seq_len = max_seq_len
         self.sizes = graph_batch_sizes(max_bs)
         self.cascade = cascade
+        self.run_rows = run_rows
         self.max_pages = -(-max_seq_len // runner.page_size)
         dev = runner.device
         # Room for the largest step, its packed page table included (prepare copies that
         # part on into `page_table`).
-        nbytes = decode_layout(max_bs, self.max_pages, cascade).nbytes
+        nbytes = max(decode_layout(max_bs, self.max_pages, v).nbytes for v in VARIANTS)
         self.static = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
         self.page_table = torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=dev)
-        self._views: dict[tuple[int, bool], dict[str, torch.Tensor]] = {}
-        # keyed by (batch size, runs the cascade kernels)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self._views: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        # keyed by (batch size, variant)
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, str], torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.memory_bytes = 0
         self._staged_host: np.ndarray | None = None  # the table last staged into page_table[:bs, :width]
@@ -120,15 +141,19 @@ class DecodeGraphs:
                 return size
         return None
 
-    def has_cascade(self, bs: int) -> bool:
-        """Whether size bs has a cascade graph."""
-        return self.cascade and bs >= MIN_CASCADE_BATCH
+    def has_variant(self, bs: int, variant: str) -> bool:
+        """Whether size bs has a graph of `variant`."""
+        if variant == CASCADE:
+            return self.cascade and bs >= MIN_CASCADE_BATCH
+        if variant == RUNS:
+            return self.run_rows > 1 and bs >= 2
+        return True
 
-    def views(self, bs: int, cascade: bool = False) -> dict[str, torch.Tensor]:
+    def views(self, bs: int, variant: str = PLAIN) -> dict[str, torch.Tensor]:
         """The typed fields of `static` that the graph of size bs reads (page table aside)."""
-        views = self._views.get((bs, cascade))
+        views = self._views.get((bs, variant))
         if views is None:
-            views = self._views[(bs, cascade)] = decode_layout(bs, 0, cascade).torch_views(self.static)
+            views = self._views[(bs, variant)] = decode_layout(bs, 0, variant).torch_views(self.static)
         return views
 
     def step_bytes(self, bs: int, width: int) -> torch.Tensor:
@@ -157,8 +182,10 @@ class DecodeGraphs:
         self._staged_host = host.copy() if keep else None
         return table
 
-    def _static_inputs(self, bs: int, cascade: bool) -> ForwardInputs:
-        v = self.views(bs, cascade)
+    def _static_inputs(self, bs: int, variant: str) -> ForwardInputs:
+        v = self.views(bs, variant)
+        # the split count of a runs graph follows from its size: as many runs as fill it
+        runs = RunInputs(v["run_rows"], self.run_rows, -(-bs // self.run_rows)) if variant == RUNS else None
         meta = AttentionMetadata(
             is_decode=True,
             seq_lens=v["seq_lens"],
@@ -170,7 +197,8 @@ class DecodeGraphs:
             prefix_lens_host=[self.max_seq_len - 1] * bs,
             max_query_len=1,
             max_seq_len=self.max_seq_len,
-            cascade=cascade_inputs(v) if cascade else None,
+            cascade=cascade_inputs(v) if variant == CASCADE else None,
+            runs=runs,
         )
         inputs = ForwardInputs(v["input_ids"], v["positions"], meta, None, req_slots=v["req_slots"])
         inputs.pool_index = v["pool_index"] if self.reads_pool else None
@@ -184,25 +212,30 @@ class DecodeGraphs:
         attn = runner.model.attention_module
         reserve = getattr(runner.backend, "reserve_decode_workspace", None)
         if reserve is not None:
-            cascade = self.has_cascade(self.max_bs)
-            reserve(self.max_bs, attn.num_heads, cfg.head_dim, attn.num_kv_heads, self.max_seq_len, dev, cascade)
+            cascade = self.has_variant(self.max_bs, CASCADE)
+            reserve(
+                self.max_bs, attn.num_heads, cfg.head_dim, attn.num_kv_heads, self.max_seq_len, dev, cascade,
+                self.run_rows,
+            )  # fmt: skip
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()  # capture empties the cache too: do it first, so the delta is the graphs'
         free_before, _ = torch.cuda.mem_get_info(dev)
         started = time.perf_counter()
         pool = None
-        keys = [(bs, cascade) for bs in reversed(self.sizes) for cascade in (False, True)]
-        keys = [(bs, cascade) for bs, cascade in keys if not cascade or self.has_cascade(bs)]
+        keys = [(bs, v) for bs in reversed(self.sizes) for v in VARIANTS if self.has_variant(bs, v)]
         bar = tqdm(keys, desc="capturing decode graphs", leave=False)
         for key in bar:
-            bs, cascade = key
-            inputs = self._static_inputs(bs, cascade)
-            # One token per row; an all-zero cascade plan (no items, prefix lengths 0).
+            bs = key[0]
+            inputs = self._static_inputs(*key)
+            # One token per row; an all-zero cascade plan (no items, prefix lengths 0); every
+            # row a run of its own.
             inputs.meta.cu_query_lens.copy_(torch.arange(bs + 1, dtype=torch.int32))
             plan = inputs.meta.cascade
             if plan is not None:
                 for field in (plan.prefix_len, plan.num_parts, plan.items):
                     field.zero_()
+            if inputs.meta.runs is not None:
+                inputs.meta.runs.rows.fill_(1)
             for _ in range(2):  # warm-up: Triton JIT, torch.compile, allocator
                 runner.forward_logits(inputs)
             torch.cuda.synchronize(dev)
@@ -230,11 +263,11 @@ class DecodeGraphs:
 
     def replay(self, inputs: ForwardInputs) -> torch.Tensor:
         bs, n = inputs.graph_bs, inputs.num_reqs
-        key = (bs, inputs.meta.cascade is not None)
+        key = (bs, variant_of(inputs.meta))
         v = self.views(*key)
         if inputs.input_ids.data_ptr() != v["input_ids"].data_ptr():  # not prepared in place
             meta = inputs.meta
-            assert meta.cascade is None, "cascade steps are prepared in place"
+            assert key[1] == PLAIN, "cascade and runs steps are prepared in place"
             assert not self.reads_pool, "one-GPU steps are prepared in place (pool_index too)"
             v["input_ids"].copy_(inputs.input_ids, non_blocking=True)
             v["positions"].copy_(inputs.positions, non_blocking=True)

@@ -20,9 +20,18 @@ from nanoserve.attention import get_backend
 from nanoserve.attention.base import AttentionMetadata, ForwardBatch
 from nanoserve.attention.cascade import MIN_CASCADE_BATCH, max_cascade_items, plan_cascade
 from nanoserve.config import EngineConfig
-from nanoserve.engine.cuda_graph import DecodeGraphs, cascade_inputs, decode_layout, default_max_bs
+from nanoserve.engine.cuda_graph import (
+    CASCADE,
+    PLAIN,
+    RUNS,
+    DecodeGraphs,
+    cascade_inputs,
+    decode_layout,
+    default_max_bs,
+)
 from nanoserve.engine.packed_inputs import PackedLayout
 from nanoserve.engine.piecewise_graph import PiecewiseGraphs, piecewise_sizes
+from nanoserve.kernels.attention import RunInputs
 from nanoserve.kernels.norm import resolve_pending
 from nanoserve.kvcache.linear_state import LinearStatePool, LinearStates
 from nanoserve.kvcache.pool import KVCache, KVLayout
@@ -181,6 +190,16 @@ class ModelRunner:
             self.cascade_members = self.backend.cascade_max_members(attn.num_heads // attn.num_kv_heads)
             self.cascade_target_items = self.backend.cascade_target_items(attn.num_kv_heads, device)
         self.num_cascade_steps = 0
+        # Runs decode (nanoserve.kernels.attention.RunInputs): a verify step's positions of one
+        # request read its K/V once; same conditions but the prefix cache, and a run (the
+        # last token and its drafts) short enough for the kernel's tile.
+        spec = config.speculative_config()
+        self.max_run_rows = 0  # 0: verify steps attend row by row
+        self.num_runs_steps = 0
+        if spec is not None and self.backend.name == "triton" and model.tp.size == 1:
+            longest = spec.k + 1
+            if longest <= self.backend.max_run_rows(attn.num_heads // attn.num_kv_heads):
+                self.max_run_rows = longest
 
     def setup_cuda_graphs(self, max_model_len: int) -> None:
         """Capture decode graphs (off with cuda_graph_max_bs=0) and piecewise prefill graphs
@@ -211,7 +230,12 @@ class ModelRunner:
         max_bs = default_max_bs(self.device, cfg.max_num_seqs) if max_bs is None else min(max_bs, cfg.max_num_seqs)
         max_bs = tp.agree_min(max_bs, self.device)
         self.graphs = DecodeGraphs(
-            self, max_bs, max_model_len, cascade=self.cascade_members > 0, reads_pool=tp.size == 1
+            self,
+            max_bs,
+            max_model_len,
+            cascade=self.cascade_members > 0,
+            reads_pool=tp.size == 1,
+            run_rows=self.max_run_rows,
         )
         self.graphs.capture(self)
 
@@ -243,8 +267,11 @@ class ModelRunner:
         rows = batch.page_table.rows  # indexed by slot
         graph_bs = self.graphs.padded_size(n) if self.graphs is not None else None
         bs = n if graph_bs is None else graph_bs
-        may_cascade = self.cascade_members > 0 and n >= MIN_CASCADE_BATCH
-        layout = decode_layout(bs, width, cascade=may_cascade)
+        runs = batch.runs if self.max_run_rows > 1 and batch.runs and max(batch.runs) > 1 else None
+        if runs is not None and max(runs) > self.max_run_rows:
+            raise ValueError(f"a run of {max(runs)} rows; this engine's verify steps have at most {self.max_run_rows}")
+        may_cascade = runs is None and self.cascade_members > 0 and n >= MIN_CASCADE_BATCH
+        layout = decode_layout(bs, width, RUNS if runs is not None else CASCADE if may_cascade else PLAIN)
         host, h = self._staging(layout)
         ids = h["input_ids"]
         ids[:n] = [r.token_ids[-1] for r in reqs]
@@ -273,16 +300,27 @@ class ModelRunner:
                 h[f"cascade_{name}"][n:] = 0  # padding rows
             h["cascade_members"][:n] = plan.members
             h["cascade_items"][:] = plan.items.reshape(-1)
+        if runs is not None:  # a run's length at its first row; padding rows: runs of their own
+            self.num_runs_steps += 1
+            run_rows = h["run_rows"]
+            run_rows[:] = 1
+            run_rows[:n] = 0
+            run_rows[np.cumsum([0, *runs[:-1]])] = runs
+        variant = RUNS if runs is not None else CASCADE if plan is not None else PLAIN
         pending = ids[:n] < 0
         if graph_bs is not None:
             g = self.graphs
             g.static[: layout.nbytes].copy_(host, non_blocking=True)
-            d = g.views(bs, plan is not None)
+            d = g.views(bs, variant)
             page_table = g.staged_page_table(layout, bs, width, host=table)
         else:
             d = layout.torch_views(self._to_device(host))
             page_table = d["page_table"].view(bs, width)
-        inputs = self._decode_inputs(d, page_table, prefix_host, max_seq, graph_bs, n, plan is not None)
+        run_inputs = None
+        if runs is not None:  # a graph's split count follows from its size, an eager step's from its runs
+            count = len(runs) if graph_bs is None else -(-bs // self.max_run_rows)
+            run_inputs = RunInputs(d["run_rows"], self.max_run_rows, count)
+        inputs = self._decode_inputs(d, page_table, prefix_host, max_seq, graph_bs, n, variant, run_inputs)
         inputs.pending = self._pending_tokens(d, pending)
         return inputs
 
@@ -294,7 +332,8 @@ class ModelRunner:
         max_seq: int,
         graph_bs: int | None,
         n: int,
-        cascade: bool,
+        variant: str,
+        runs: RunInputs | None = None,
     ) -> ForwardInputs:
         """A decode step's inputs from its packed fields `d` on the device (n real rows)."""
         meta = AttentionMetadata(
@@ -308,7 +347,8 @@ class ModelRunner:
             prefix_lens_host=prefix_host,
             max_query_len=1,
             max_seq_len=max_seq,
-            cascade=cascade_inputs(d) if cascade else None,
+            cascade=cascade_inputs(d) if variant == CASCADE else None,
+            runs=runs,
         )
         return ForwardInputs(d["input_ids"], d["positions"], meta, None, graph_bs, n, d["req_slots"][:n])
 
@@ -329,7 +369,7 @@ class ModelRunner:
         `graph_step_bytes`) were received straight into `graphs.static`."""
         g = self.graphs
         page_table = g.staged_page_table(decode_layout(bs, width), bs, width)
-        return self._decode_inputs(g.views(bs), page_table, prefix_host, max_seq, bs, n, False)
+        return self._decode_inputs(g.views(bs), page_table, prefix_host, max_seq, bs, n, PLAIN)
 
     def _prepare_extend(self, batch: ScheduledBatch, sample_rows: list[int]) -> ForwardInputs:
         """Any batch (prefill chunks, prefix-cache extends, mixed lengths): numpy over tokens."""

@@ -8,9 +8,9 @@ Layout: the int64 fields, then the int32 fields, each contiguous, in the order o
 every field but the page table lies at an offset that depends only on the field sizes
 before it: a decode CUDA graph captured for batch size `bs` reads its inputs at the same
 offsets whatever the page-table width of the step (see `nanoserve.engine.cuda_graph`).
-The cascade fields come after all the others but the page table, so a layout with them
-has every other field where a layout without them has it: a step laid out for cascade can
-still replay the plain graph. Offsets are multiples of 16 bytes (FIELD_ALIGN), so byte
+The cascade and run fields come after all the others but the page table, so a layout with
+them has every other field where a layout without them has it: a step laid out for cascade
+can still replay the plain graph. Offsets are multiples of 16 bytes (FIELD_ALIGN), so byte
 views can be reinterpreted and every field is as aligned as a fresh tensor.
 """
 
@@ -29,10 +29,11 @@ FIELD_ALIGN = 16
 I64_FIELDS = ("input_ids", "positions", "slot_mapping", "req_slots", "pool_index", "logit_rows")
 # seq_lens, prefix_lens: [B]; cu_query_lens: [B + 1]; the cascade plan (decode steps only,
 # nanoserve.attention.cascade): prefix_len, num_parts, members [B], items [W * fields];
-# page_table: [B * width].
+# run_rows [B]: a verify step's runs (nanoserve.kernels.attention.RunInputs); page_table:
+# [B * width].
 I32_FIELDS = (
     "seq_lens", "prefix_lens", "cu_query_lens",
-    "cascade_prefix_len", "cascade_num_parts", "cascade_members", "cascade_items",
+    "cascade_prefix_len", "cascade_num_parts", "cascade_members", "cascade_items", "run_rows",
     "page_table",
 )  # fmt: skip
 

@@ -67,6 +67,19 @@ class CascadeInputs:
     items: torch.Tensor  # [W, len(ITEM_FIELDS)] work items; unused ones have count 0
 
 
+@dataclass
+class RunInputs:
+    """A decode batch's runs (rows that are consecutive positions of one request, in order):
+    `rows` [B] int32 holds a run's length at its first row and 0 at its other rows;
+    `max_rows` is the longest run any batch of these kernels' graphs may hold (a host int:
+    it sizes the query tile); `count` the runs in the batch (a host int, for the split
+    count; a graph captures it from its padded size)."""
+
+    rows: torch.Tensor
+    max_rows: int
+    count: int
+
+
 # Triton's interpreter runs each program in numpy: small blocks keep CPU tests fast and make
 # tiny shapes cross several blocks (pages, splits, causal tiles) so that the logic is exercised.
 
@@ -92,6 +105,9 @@ DOT_F32 = INTERPRET
 # layer instead of 8.5-8.6 (H200, benchmarks/probes/profile_decode.py --min-split-tokens 256 64:
 # batch-1 decode step 1.109 -> 1.021 ms on qwen3-0.6b, 4.478 -> 4.327 ms on llama-3.1-8b).
 MIN_SPLIT_TOKENS = 16 if INTERPRET else 64
+# The runs kernel aims at fewer programs per multiprocessor than the split kernel's 4: each of
+# its splits costs the reduce a partial row per position of the run, not one. Untuned.
+RUNS_PROGRAMS_PER_SM = 2
 # Decode programs in launch order (`paged_decode(heads_first=...)`, KernelSwitches'
 # decode_heads_first): all kv heads of a request next to each other (grid axis 0 = kv head),
 # so the heads' programs run at the same time and read each token's cache row (kv heads x
@@ -248,12 +264,15 @@ def _attend_pages(
     DOT_F32: tl.constexpr,
     row_lo=0,
     PER_ROW_LO: tl.constexpr = False,
+    row_hi=0,
+    PER_ROW_HI: tl.constexpr = False,
 ):
     """Online softmax of a query tile over cache positions [lo, hi) of one request's pages
     (`table`: its page-table row, `page`: its first block's page ids from `_first_pages`;
     k_base / v_base: the caches offset to one kv head). Every kernel that reads K/V through a
     page table does it here. PER_ROW_LO (sliding window): row r also skips positions below
-    row_lo[r]."""
+    row_lo[r]; PER_ROW_HI (a run of one request's positions): row r also skips positions
+    from row_hi[r] on."""
     if k_base.dtype.element_ty.is_fp8() and q.dtype != tl.float32:
         # fp8 cache: the products run in fp16, which fp8 converts to in one instruction per
         # pair (to bf16 it takes several, and the kernel became ALU-bound: measured slower
@@ -273,6 +292,9 @@ def _attend_pages(
         v = _load_tile(v_base + slot[:, None] * stride_vc_slot + d[None, :], n_mask, d, HEAD_DIM, BLOCK_D, True)
         if PER_ROW_LO:
             mask = n_mask[None, :] & (pos[None, :] >= row_lo[:, None])
+            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, mask, scale_log2, True, DOT_F32, True)
+        elif PER_ROW_HI:
+            mask = n_mask[None, :] & (pos[None, :] < row_hi[:, None])
             m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, mask, scale_log2, True, DOT_F32, True)
         else:
             mask = n_mask[None, :]
@@ -309,11 +331,13 @@ def _attend_rows(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
+    row_hi=0,
+    PER_ROW_HI: tl.constexpr = False,
 ):
     """Attention of ROWS query rows (element offsets `q_rows` into q; rows off `row_mask` read
-    zeros) over positions [lo, hi) of one page-table row (`page`: `_first_pages` of it).
-    Returns the normalised output [ROWS, BLOCK_D] in fp32, the running max and sum (for a
-    log-sum-exp), and the dim mask."""
+    zeros) over positions [lo, hi) of one page-table row (`page`: `_first_pages` of it), and
+    with PER_ROW_HI below row_hi[r] for row r. Returns the normalised output [ROWS, BLOCK_D]
+    in fp32, the running max and sum (for a log-sum-exp), and the dim mask."""
     d = tl.arange(0, BLOCK_D)
     if BLOCK_D == HEAD_DIM:
         d_mask = d < BLOCK_D  # all true: keeps the dim mask out of the vectorised loads
@@ -325,7 +349,7 @@ def _attend_rows(
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     m_i, l_i, acc = _attend_pages(
         q, m_i, l_i, acc, table, page, k_base, v_base, lo, hi, stride_kc_slot, stride_vc_slot, d, scale_log2,
-        PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
+        PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32, row_hi=row_hi, PER_ROW_HI=PER_ROW_HI,
     )  # fmt: skip
     return acc / tl.maximum(l_i, 1e-30)[:, None], m_i, l_i, d, d_mask
 
@@ -533,6 +557,88 @@ def _decode_split_kernel(
         _store_partial(part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, store_mask, HEAD_DIM)
 
 
+# A run: consecutive rows of a decode batch that are consecutive positions of one request (a
+# verify step's last token and its drafts; nanoserve.engine.speculative.positions). As rows of
+# their own, each would read the request's whole KV again; the runs kernel reads it once.
+@triton.jit(do_not_specialize=["stride_pt", "num_splits", "num_cols"])
+def _decode_runs_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    page_table_ptr,
+    seq_lens_ptr,
+    run_rows_ptr,
+    sinks_ptr,
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kc_slot,
+    stride_vc_slot,
+    stride_pt,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    num_cols,
+    scale_log2,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
+    DIRECT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
+):
+    # One program = one (batch row, kv head, split); only a run's first row does work
+    # (run_rows[b] = the run's length there, 0 on its other rows). The tile's rows are every
+    # position's GROUP heads (row r: position r // GROUP of the run, head r % GROUP), each
+    # masked to its own length; the splits divide the run's longest length (its last row's),
+    # so a row's later splits may see nothing (zeros and lse -inf, which the reduce weighs 0).
+    # The reduce counts a row's splits by the row's own length: as split lengths grow with
+    # the length, that count covers every split holding any of the row's positions.
+    b = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
+    kvh = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
+    split = tl.program_id(2)
+    count = tl.load(run_rows_ptr + b)
+    if count > 0:
+        r = tl.arange(0, BLOCK_H)
+        row_mask = r < count * GROUP
+        rows = (b + r // GROUP).to(tl.int64)
+        heads = kvh * GROUP + r % GROUP
+        row_len = tl.load(seq_lens_ptr + rows, mask=row_mask, other=0)
+        seq_len = tl.load(seq_lens_ptr + b + count - 1)
+        split_len = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+        table = page_table_ptr + b.to(tl.int64) * stride_pt
+        page = _first_pages(table, start, end, PAGE_SIZE, BLOCK_N)
+        pdl_start(USE_PDL)  # q and this step's K/V come from the kernels before
+        out, m_i, l_i, d, d_mask = _attend_rows(
+            q_ptr, rows * stride_qt + heads * stride_qh, row_mask, table, page,
+            k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, start, end, stride_kc_slot, stride_vc_slot,
+            scale_log2, BLOCK_H, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32, row_hi=row_len, PER_ROW_HI=True,
+        )  # fmt: skip
+        store_mask = row_mask[:, None] & d_mask[None, :]
+        if DIRECT:
+            if HAS_SINKS:
+                out = _with_sink(out, m_i, l_i, sinks_ptr, heads, row_mask)
+            tl.store(
+                out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=store_mask,
+            )
+        else:
+            part_row = (rows * NUM_Q_HEADS + heads) * num_cols + split
+            _store_partial(part_ptr, lse_ptr, part_row, out, m_i, l_i, d, row_mask, store_mask, HEAD_DIM)
+
+
 @triton.jit
 def _store_partial(part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, store_mask, HEAD_DIM: tl.constexpr):
     """One split's normalised output rows and their base-2 log-sum-exp (-inf: saw nothing)."""
@@ -632,6 +738,7 @@ def paged_decode(
     pdl: bool = True,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    runs: RunInputs | None = None,
 ) -> torch.Tensor:
     """out[b] = attention of q[b] ([B, Hq, D], one token per request) over the first
     seq_lens[b] positions of request b's pages. With num_splits > 1 or a cascade, `workspace`
@@ -643,7 +750,11 @@ def paged_decode(
 
     `cascade` (nanoserve.attention.cascade): requests grouped by a shared prefix; each
     group's prefix is read once by the prefix kernel for all its members, the split kernel
-    reads each request's positions from cascade.prefix_len[b] on, and the reduce merges both."""
+    reads each request's positions from cascade.prefix_len[b] on, and the reduce merges both.
+
+    `runs`: rows that are consecutive positions of one request (same page-table row, lengths
+    one apart) are attended by one program per (run, kv head, split), which reads their K/V
+    once; neither with a cascade nor a window."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -652,6 +763,8 @@ def paged_decode(
     vc_slot, _ = _flat_cache(v_cache)
     if window > 0 and cascade is not None:
         raise ValueError("cascade decode does not take a sliding window")
+    if runs is not None and (window > 0 or cascade is not None):
+        raise ValueError("runs decode takes neither a sliding window nor a cascade")
     has_sinks = sinks is not None
     if has_sinks:
         assert sinks.shape == (num_q_heads,) and sinks.is_contiguous()
@@ -671,20 +784,36 @@ def paged_decode(
     kv_start = cascade.prefix_len if cascade is not None else seq_lens  # unused without cascade
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
     sinks_arg = sinks if has_sinks else seq_lens  # unused without sinks
-    _decode_split_kernel[grid](
-        q, k_cache, v_cache, page_table, seq_lens, kv_start, sinks_arg,
-        out, part, lse,
-        q.stride(0), q.stride(1),
-        kc_slot, vc_slot,
-        page_table.stride(0),
-        out.stride(0), out.stride(1),
-        num_splits, num_cols, window, scale * LOG2E,
-        NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
-        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct, HAS_START=cascade is not None,
-        HAS_WINDOW=window > 0, HAS_SINKS=has_sinks, DOT_F32=DOT_F32, HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
-        **launch_options(q.device, pdl),
-    )  # fmt: skip
+    if runs is not None:
+        _decode_runs_kernel[grid](
+            q, k_cache, v_cache, page_table, seq_lens, runs.rows, sinks_arg,
+            out, part, lse,
+            q.stride(0), q.stride(1),
+            kc_slot, vc_slot,
+            page_table.stride(0),
+            out.stride(0), out.stride(1),
+            num_splits, num_cols, scale * LOG2E,
+            NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
+            HEAD_DIM=head_dim, BLOCK_H=runs_block_h(runs.max_rows, group), BLOCK_D=block_d,
+            BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct,
+            HAS_SINKS=has_sinks, DOT_F32=DOT_F32, HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
+            **launch_options(q.device, pdl),
+        )  # fmt: skip
+    else:
+        _decode_split_kernel[grid](
+            q, k_cache, v_cache, page_table, seq_lens, kv_start, sinks_arg,
+            out, part, lse,
+            q.stride(0), q.stride(1),
+            kc_slot, vc_slot,
+            page_table.stride(0),
+            out.stride(0), out.stride(1),
+            num_splits, num_cols, window, scale * LOG2E,
+            NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
+            HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+            BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct, HAS_START=cascade is not None,
+            HAS_WINDOW=window > 0, HAS_SINKS=has_sinks, DOT_F32=DOT_F32, HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
+            **launch_options(q.device, pdl),
+        )  # fmt: skip
     if cascade is not None:
         assert cascade.items.shape[1] == len(ITEM_FIELDS)
         ccfg = cascade_config(group)
@@ -705,7 +834,8 @@ def paged_decode(
             out.stride(0), out.stride(1), num_splits, num_cols, window,
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_S=_reduce_block_s(num_cols), BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS,
-            HAS_CASCADE=cascade is not None, HAS_WINDOW=window > 0, HAS_SINKS=has_sinks, num_warps=4, **launch_options(q.device, pdl),
+            HAS_CASCADE=cascade is not None, HAS_WINDOW=window > 0, HAS_SINKS=has_sinks, num_warps=4,
+            **launch_options(q.device, pdl),
         )  # fmt: skip
     return out
 
@@ -716,6 +846,11 @@ def _reduce_block_s(num_cols: int) -> int:
     columns, so that a split count first met while serving (a mixed step's eager decode rows,
     a prefix hit with cascade) compiles no new variant mid-run; the masked lanes load nothing."""
     return max(32 if num_cols <= 32 else 64, triton.next_power_of_2(num_cols))
+
+
+def runs_block_h(max_rows: int, group: int) -> int:
+    """Query rows of the runs kernel's tile: every position of the longest run, GROUP heads each."""
+    return max(16, triton.next_power_of_2(max_rows * group))
 
 
 def cascade_config(group: int) -> dict[str, int] | None:
@@ -731,12 +866,14 @@ def cascade_max_members(group: int) -> int:
     return 0 if cfg is None else cfg["BLOCK_M"] // group
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, max_splits: int) -> int:
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, max_splits: int, programs_per_sm: int = 4
+) -> int:
     """About 4 (request, kv head, split) programs per multiprocessor, rounded to the nearest
     split count (measured on an H200: batch 8 x 8 kv heads is best at 8 splits, batch 64 x 8 at
     1), and no split shorter than MIN_SPLIT_TOKENS of the longest request. Host ints only."""
     programs = max(1, batch * num_kv_heads)
-    wanted = int(4 * num_sms / programs + 0.5)
+    wanted = int(programs_per_sm * num_sms / programs + 0.5)
     by_length = math.ceil(max(1, max_seq_len) / MIN_SPLIT_TOKENS)
     return max(1, min(wanted, by_length, max_splits))
 

@@ -118,6 +118,9 @@ class ScheduledBatch:
     is_decode: bool
     page_table: PageTable  # the scheduler's slot -> pages table, current until its next change
     num_decodes: int = 0
+    # A decode batch of several positions per request (nanoserve.engine.speculative.positions):
+    # each request's row count, in order; None: one row per request.
+    runs: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,8 @@ position p has seq_len p + 1 and r's page-table row, so it attends to positions 
 Every row's K/V is stored (at its own slot) before any row's attention of the same layer
 runs, so the rows of one request see each other causally, as an extend over those positions
 would. The decode graphs then cover a verify step of B requests x (k + 1) positions as one
-replay of the graph for B * (k + 1) rows, with logits for every row.
+replay of the graph for B * (k + 1) rows, with logits for every row; the batch names its runs
+(each request's row count), so attention may read a request's K/V once for all its rows.
 """
 
 from __future__ import annotations
@@ -35,4 +36,4 @@ def position_batch(reqs: list, tokens: list[list[int]], first: list[int], page_t
         for req, toks, start in zip(reqs, tokens, first)
         for j, token in enumerate(toks)
     ]
-    return ScheduledBatch(rows, [1] * len(rows), True, page_table, len(rows))
+    return ScheduledBatch(rows, [1] * len(rows), True, page_table, len(rows), runs=[len(t) for t in tokens])
