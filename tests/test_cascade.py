@@ -298,8 +298,8 @@ def shared_prefix_run(model_dir, backend: str, graphs_bs: int = 0, **engine_args
     cascade_replays = [0]
     if graphs_bs:
         graphs = emulate_graphs(llm, graphs_bs)
-        for (bs, cascade), graph in graphs.graphs.items():
-            if cascade:
+        for (bs, variant), graph in graphs.graphs.items():
+            if variant == "cascade":
                 graph.replay = lambda replay=graph.replay: (
                     cascade_replays.__setitem__(0, cascade_replays[0] + 1),
                     replay(),

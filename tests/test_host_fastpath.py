@@ -77,6 +77,7 @@ def reference_prepare(runner, batch, sample_rows) -> dict:
         "max_query_len": max(batch.num_new_tokens),
         "max_seq_len": max(seq_lens),
         "cascade": None,  # the torch backend: no cascade plan (tests/test_cascade.py covers it)
+        "runs": None,  # nor runs (tests/test_speculative.py covers them)
         "num_decode_rows": 0 if batch.is_decode else batch.num_decodes,  # a mixed batch's decode rows
         "graph_bs": graph_bs,
         "num_reqs": num_reqs,

@@ -57,7 +57,7 @@ from offline_throughput import GCTimer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.cuda_graph import DecodeGraphs
+from nanoserve.engine.cuda_graph import PLAIN, DecodeGraphs
 
 NUM_SEQS = 256
 VOCAB = 16  # small: the CPU-side sampling compute must not hide the host overhead
@@ -113,8 +113,8 @@ def stub_forward(llm: LLM, graphs: bool, max_bs: int) -> None:
     if graphs:
         g = DecodeGraphs(runner, max_bs, llm.engine.max_model_len)  # CPU: torch backend, no cascade twins
         for bs in g.sizes:
-            g.graphs[(bs, False)] = _NoGraph()
-            g.outputs[(bs, False)] = logits[:bs]
+            g.graphs[(bs, PLAIN)] = _NoGraph()
+            g.outputs[(bs, PLAIN)] = logits[:bs]
         runner.graphs = g
 
 

@@ -1,8 +1,8 @@
 """Triton attention backend: the fast path on CUDA (kernels in triton_kernels.py).
 
 Owns: the choice of kernel per batch (decode, cascade decode when the metadata carries a
-cascade plan, extend with prefix, FA2 for prefix-free prefill), the decode split count, and
-the decode workspace. A mixed batch runs two calls per layer on row slices into one output:
+cascade plan, runs decode when it carries a verify step's runs, extend with prefix, FA2 for
+prefix-free prefill), the decode split count, and the decode workspace. A mixed batch runs two calls per layer on row slices into one output:
 its decode rows through the decode kernel, its prompt rows through extend (or FA2).
 
 Invariants:
