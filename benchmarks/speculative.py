@@ -10,7 +10,7 @@ Sections (each on by its flag; all by default):
   Targets (issue 46): n-gram TPOT >= 2.0x faster on copy-heavy, <= 3% slower on free writing.
 - --verify-cost: llama-3.1-8b (dummy weights; --verify-model, --verify-k, --verify-batches): the forward of a plain decode step against a
   verify step of K = 4 drafts (5 positions per request, the decode graph of 5x the rows, whose
-  attention reads a request's K/V once for its 5 rows: the runs kernel; also timed with the
+  attention reads a request's K/V once for its 5 rows, as runs; also timed with the
   rows attended one by one, as before it) at batch 1 and 32, context 512, and
   the speedup that follows at acceptance lengths 2, 3 and 4 (acceptance length x decode step /
   verify step; n-gram drafts cost no forward). Targets: verify <= 1.10x decode at batch 1,

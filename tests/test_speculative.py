@@ -202,9 +202,9 @@ def test_greedy_output_is_speculation_off_output(models, reference, algo, overla
     not INTERPRET, reason="needs triton's interpreter (TRITON_INTERPRET=1, set by conftest without a GPU)"
 )
 @pytest.mark.slow
-def test_verify_runs_through_the_triton_runs_kernel_losslessly(models, reference):
+def test_verify_runs_through_the_triton_decode_kernel_losslessly(models, reference):
     """The Triton backend reads a verify step's positions of one request in one program (the
-    runs kernel, in the interpreter here; tests/test_triton_attention.py checks it eagerly);
+    decode kernel over runs, in the interpreter here; tests/test_triton_attention.py checks it eagerly);
     through the runs graphs (emulated), greedy output and logprobs stay speculation off's."""
     from tests.test_host_fastpath import emulate_graphs
 
@@ -357,7 +357,7 @@ def test_greedy_identity_on_gpu(models, algo, eager):
         assert _tokens(llm.generate(_prompts(), params, use_tqdm=False)) == _tokens(want)
     llm.engine.check_invariants()
     assert llm.stats()["vllm:spec_decode_num_accepted_tokens"] > 0
-    assert llm.engine.runner.num_runs_steps > 0  # verify steps through the runs kernel
+    assert llm.engine.runner.num_runs_steps > 0  # verify steps read each request's K/V once (runs)
 
 
 def test_metrics_export_the_engine_counters_under_vllm_names():

@@ -224,6 +224,16 @@ def test_interp_decode_runs(max_splits):
 
 
 @interp
+def test_interp_decode_runs_fp8_cache():
+    case = runs_case([(30, 5), (9, 3)], 4, 2, 32, 4, torch.bfloat16, "cpu", seed=15)
+    fp8 = torch.float8_e4m3fn
+    case = dataclasses.replace(case, k_cache=case.k_cache.to(fp8), v_cache=case.v_cache.to(fp8))
+    for t in (case.k, case.v):  # fp8-representable new K/V (see test_interp_fp8_cache)
+        t.copy_(t.to(fp8))
+    check(case, tol=1e-2)
+
+
+@interp
 def test_interp_decode_runs_bf16_sinks():
     from nanoserve.attention.triton_backend import TritonAttentionBackend
 
@@ -417,7 +427,7 @@ def test_decode(shape):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("max_splits", [1, 32])
 def test_decode_runs(dtype, max_splits):
-    """Verify batches through the runs kernel (llama's head shape): runs of 1..5 positions over
+    """Verify batches through the decode kernel over runs (llama's head shape): runs of 1..5 positions over
     ragged contexts, one program per run and split against the torch backend's rows."""
     from nanoserve.attention.triton_backend import TritonAttentionBackend
 

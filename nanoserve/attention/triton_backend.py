@@ -72,14 +72,14 @@ class TritonAttentionBackend(AttentionBackend):
         return tk.choose_num_splits(batch, num_kv_heads, max_seq_len, self.num_sms(device), self.max_splits)
 
     def runs_num_splits(self, num_runs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-        """The runs kernel's split count (`meta.runs`): per run, as a request's for decode."""
+        """The split count of a decode over runs (`meta.runs`): per run, as per request for decode."""
         sms = self.num_sms(device)
         return tk.choose_num_splits(num_runs, num_kv_heads, max_seq_len, sms, self.max_splits, tk.RUNS_PROGRAMS_PER_SM)
 
     @staticmethod
     def max_run_rows(group: int) -> int:
-        """The longest run the runs kernel takes for `group` query heads per kv head: its
-        query tile holds every position's heads, at most RUNS_MAX_TILE rows."""
+        """The longest run the decode kernel takes for `group` query heads per kv head: its
+        query tile then holds every position's heads, at most RUNS_MAX_TILE rows."""
         return RUNS_MAX_TILE // group
 
     def prepare(self, meta: AttentionMetadata, group_metas: tuple[AttentionMetadata, ...] = ()) -> None:
@@ -239,7 +239,7 @@ class TritonAttentionBackend(AttentionBackend):
 
 
 _FA2_DTYPES = (torch.float16, torch.bfloat16)
-# The runs kernel's query tile at most (rows = positions x query heads per kv head); a longer
+# The decode kernel's query tile over runs at most (rows = positions x query heads per kv head); a longer
 # run would need a larger tile than the decode configs were measured with.
 RUNS_MAX_TILE = 64
 

@@ -3,7 +3,9 @@
 Owns three kernels and the host functions that launch them:
 - `store_kv`: writes the new tokens' K/V rows into their cache slots (one launch per layer);
 - `paged_decode`: one query token per request over its pages; split-KV ("flash decoding")
-  partial results in a caller-provided fp32 workspace, merged by a second reduce kernel;
+  partial results in a caller-provided fp32 workspace, merged by a second reduce kernel; or,
+  for a verify step's runs (a request's consecutive positions as rows), one program per run
+  that reads the request's K/V once for all its rows;
 - `paged_extend`: the new tokens of several requests (varlen, causal among themselves) over
   their cached prefix (read through the page table) and themselves (read from k/v directly).
 Both attention kernels take a layer's kind: a sliding `window` (decode reads positions
@@ -105,8 +107,9 @@ DOT_F32 = INTERPRET
 # layer instead of 8.5-8.6 (H200, benchmarks/probes/profile_decode.py --min-split-tokens 256 64:
 # batch-1 decode step 1.109 -> 1.021 ms on qwen3-0.6b, 4.478 -> 4.327 ms on llama-3.1-8b).
 MIN_SPLIT_TOKENS = 16 if INTERPRET else 64
-# The runs kernel aims at fewer programs per multiprocessor than the split kernel's 4: each of
-# its splits costs the reduce a partial row per position of the run, not one. Untuned.
+# A decode over runs aims at fewer programs per multiprocessor than the 4 of one over requests:
+# each split costs the reduce a partial row per position of the run, not one (H200, llama-3.1-8b
+# K=4 verify steps: 2 beat 4 and 1, results/2026-12-03.md).
 RUNS_PROGRAMS_PER_SM = 2
 # Decode programs in launch order (`paged_decode(heads_first=...)`, KernelSwitches'
 # decode_heads_first): all kv heads of a request next to each other (grid axis 0 = kv head),
@@ -480,6 +483,7 @@ def _decode_split_kernel(
     page_table_ptr,
     seq_lens_ptr,
     kv_start_ptr,
+    run_rows_ptr,
     sinks_ptr,
     out_ptr,
     part_ptr,
@@ -510,9 +514,19 @@ def _decode_split_kernel(
     DOT_F32: tl.constexpr,
     USE_PDL: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    RUNS: tl.constexpr = False,
 ):
     # One program = one (request, kv head, split): the GROUP query heads sharing the kv head
     # are the rows of one tile, so each K/V block is loaded once for the whole group.
+    # With RUNS (a verify step: rows that are consecutive positions of one request, in
+    # order; RunInputs), one program = one (batch row, kv head, split) and only a run's first
+    # row has work (run_rows[b] = the run's length there, 0 on its other rows): the tile's
+    # rows are every position's GROUP heads (row r: position r // GROUP, head r % GROUP),
+    # each masked to its own length, so the request's K/V is read once for the whole run.
+    # The splits divide the run's longest length (its last row's): a row's later splits
+    # may see nothing (zeros and lse -inf). The reduce counts a row's splits by the row's
+    # own length; as split lengths grow with the length, that covers every split holding
+    # any of the row's positions. Never with HAS_START or HAS_WINDOW.
     # With HAS_START (cascade), a request's positions before kv_start[b] are another
     # kernel's (its group's shared prefix): the splits cover kv_start[b]..seq_len only.
     # With HAS_WINDOW (a sliding-window layer, never with cascade) the splits cover the
@@ -522,121 +536,49 @@ def _decode_split_kernel(
     b = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
     kvh = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
+    g = tl.arange(0, BLOCK_H)
+    b64 = b.to(tl.int64)
+    if RUNS:
+        count = tl.load(run_rows_ptr + b)
+        rows = b64 + g // GROUP  # each tile row's batch row
+        heads = kvh * GROUP + g % GROUP
+        row_mask = g < count * GROUP  # none on a run's later rows: their program does nothing
+        seq_len = tl.load(seq_lens_ptr + b + count - 1, mask=count > 0, other=0)
+        row_len = tl.load(seq_lens_ptr + rows, mask=row_mask, other=0)
+    else:
+        rows = b64
+        heads = kvh * GROUP + g
+        row_mask = g < GROUP
+        seq_len = tl.load(seq_lens_ptr + b)
+        row_len = seq_len  # unused
     kv_start = _kv_start(kv_start_ptr, b, seq_len, window, HAS_START, HAS_WINDOW)
     split_len = _split_len(seq_len - kv_start, num_splits, BLOCK_N, MIN_SPLIT)
     start = kv_start + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     # An empty split (start >= end) still writes: zeros and lse = -inf, which the reduce weighs 0,
     # and in DIRECT mode an empty request gets zeros. Branch-free, and the cost is one row.
-    g = tl.arange(0, BLOCK_H)
-    heads = kvh * GROUP + g
-    row_mask = g < GROUP
-    b64 = b.to(tl.int64)
     table = page_table_ptr + b64 * stride_pt
     page = _first_pages(table, start, end, PAGE_SIZE, BLOCK_N)
     pdl_start(USE_PDL)  # q and this step's K/V come from the kernels before
     out, m_i, l_i, d, d_mask = _attend_rows(
-        q_ptr, b64 * stride_qt + heads * stride_qh, row_mask, table, page,
+        q_ptr, rows * stride_qt + heads * stride_qh, row_mask, table, page,
         k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, start, end, stride_kc_slot, stride_vc_slot,
-        scale_log2, BLOCK_H, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32,
+        scale_log2, BLOCK_H, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32, row_hi=row_len, PER_ROW_HI=RUNS,
     )  # fmt: skip
     store_mask = row_mask[:, None] & d_mask[None, :]
     if DIRECT:
         if HAS_SINKS:
             out = _with_sink(out, m_i, l_i, sinks_ptr, heads, row_mask)
         tl.store(
-            out_ptr + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            out_ptr + (rows * stride_ot + heads * stride_oh)[:, None] + d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=store_mask,
         )
     else:
         # workspace rows: [B, num_q_heads, num_cols, (HEAD_DIM | 1)]; columns 0..num_splits-1
         # are this kernel's, the rest the cascade prefix kernel's
-        row = (b64 * NUM_Q_HEADS + heads) * num_cols + split
+        row = (rows * NUM_Q_HEADS + heads) * num_cols + split
         _store_partial(part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, store_mask, HEAD_DIM)
-
-
-# A run: consecutive rows of a decode batch that are consecutive positions of one request (a
-# verify step's last token and its drafts; nanoserve.engine.speculative.positions). As rows of
-# their own, each would read the request's whole KV again; the runs kernel reads it once.
-@triton.jit(do_not_specialize=["stride_pt", "num_splits", "num_cols"])
-def _decode_runs_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    page_table_ptr,
-    seq_lens_ptr,
-    run_rows_ptr,
-    sinks_ptr,
-    out_ptr,
-    part_ptr,
-    lse_ptr,
-    stride_qt,
-    stride_qh,
-    stride_kc_slot,
-    stride_vc_slot,
-    stride_pt,
-    stride_ot,
-    stride_oh,
-    num_splits,
-    num_cols,
-    scale_log2,
-    NUM_Q_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MIN_SPLIT: tl.constexpr,
-    DIRECT: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
-):
-    # One program = one (batch row, kv head, split); only a run's first row does work
-    # (run_rows[b] = the run's length there, 0 on its other rows). The tile's rows are every
-    # position's GROUP heads (row r: position r // GROUP of the run, head r % GROUP), each
-    # masked to its own length; the splits divide the run's longest length (its last row's),
-    # so a row's later splits may see nothing (zeros and lse -inf, which the reduce weighs 0).
-    # The reduce counts a row's splits by the row's own length: as split lengths grow with
-    # the length, that count covers every split holding any of the row's positions.
-    b = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
-    kvh = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
-    split = tl.program_id(2)
-    count = tl.load(run_rows_ptr + b)
-    if count > 0:
-        r = tl.arange(0, BLOCK_H)
-        row_mask = r < count * GROUP
-        rows = (b + r // GROUP).to(tl.int64)
-        heads = kvh * GROUP + r % GROUP
-        row_len = tl.load(seq_lens_ptr + rows, mask=row_mask, other=0)
-        seq_len = tl.load(seq_lens_ptr + b + count - 1)
-        split_len = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
-        start = split * split_len
-        end = tl.minimum(start + split_len, seq_len)
-        table = page_table_ptr + b.to(tl.int64) * stride_pt
-        page = _first_pages(table, start, end, PAGE_SIZE, BLOCK_N)
-        pdl_start(USE_PDL)  # q and this step's K/V come from the kernels before
-        out, m_i, l_i, d, d_mask = _attend_rows(
-            q_ptr, rows * stride_qt + heads * stride_qh, row_mask, table, page,
-            k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, start, end, stride_kc_slot, stride_vc_slot,
-            scale_log2, BLOCK_H, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32, row_hi=row_len, PER_ROW_HI=True,
-        )  # fmt: skip
-        store_mask = row_mask[:, None] & d_mask[None, :]
-        if DIRECT:
-            if HAS_SINKS:
-                out = _with_sink(out, m_i, l_i, sinks_ptr, heads, row_mask)
-            tl.store(
-                out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                out.to(out_ptr.dtype.element_ty),
-                mask=store_mask,
-            )
-        else:
-            part_row = (rows * NUM_Q_HEADS + heads) * num_cols + split
-            _store_partial(part_ptr, lse_ptr, part_row, out, m_i, l_i, d, row_mask, store_mask, HEAD_DIM)
 
 
 @triton.jit
@@ -784,36 +726,21 @@ def paged_decode(
     kv_start = cascade.prefix_len if cascade is not None else seq_lens  # unused without cascade
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
     sinks_arg = sinks if has_sinks else seq_lens  # unused without sinks
-    if runs is not None:
-        _decode_runs_kernel[grid](
-            q, k_cache, v_cache, page_table, seq_lens, runs.rows, sinks_arg,
-            out, part, lse,
-            q.stride(0), q.stride(1),
-            kc_slot, vc_slot,
-            page_table.stride(0),
-            out.stride(0), out.stride(1),
-            num_splits, num_cols, scale * LOG2E,
-            NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
-            HEAD_DIM=head_dim, BLOCK_H=runs_block_h(runs.max_rows, group), BLOCK_D=block_d,
-            BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct,
-            HAS_SINKS=has_sinks, DOT_F32=DOT_F32, HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
-            **launch_options(q.device, pdl),
-        )  # fmt: skip
-    else:
-        _decode_split_kernel[grid](
-            q, k_cache, v_cache, page_table, seq_lens, kv_start, sinks_arg,
-            out, part, lse,
-            q.stride(0), q.stride(1),
-            kc_slot, vc_slot,
-            page_table.stride(0),
-            out.stride(0), out.stride(1),
-            num_splits, num_cols, window, scale * LOG2E,
-            NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
-            HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-            BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct, HAS_START=cascade is not None,
-            HAS_WINDOW=window > 0, HAS_SINKS=has_sinks, DOT_F32=DOT_F32, HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
-            **launch_options(q.device, pdl),
-        )  # fmt: skip
+    block_h = max(16, triton.next_power_of_2(group)) if runs is None else runs_block_h(runs.max_rows, group)
+    _decode_split_kernel[grid](
+        q, k_cache, v_cache, page_table, seq_lens, kv_start, runs.rows if runs is not None else seq_lens, sinks_arg,
+        out, part, lse,
+        q.stride(0), q.stride(1),
+        kc_slot, vc_slot,
+        page_table.stride(0),
+        out.stride(0), out.stride(1),
+        num_splits, num_cols, window, scale * LOG2E,
+        NUM_Q_HEADS=num_q_heads, GROUP=group, PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, DIRECT=direct, HAS_START=cascade is not None,
+        HAS_WINDOW=window > 0, HAS_SINKS=has_sinks, DOT_F32=DOT_F32, HEADS_FIRST=heads_first, RUNS=runs is not None, num_warps=cfg["num_warps"], num_stages=_stages(cfg, k_cache),
+        **launch_options(q.device, pdl),
+    )  # fmt: skip
     if cascade is not None:
         assert cascade.items.shape[1] == len(ITEM_FIELDS)
         ccfg = cascade_config(group)
@@ -849,7 +776,7 @@ def _reduce_block_s(num_cols: int) -> int:
 
 
 def runs_block_h(max_rows: int, group: int) -> int:
-    """Query rows of the runs kernel's tile: every position of the longest run, GROUP heads each."""
+    """Query rows of the decode tile over runs: every position of the longest run, GROUP heads each."""
     return max(16, triton.next_power_of_2(max_rows * group))
 
 
