@@ -3,8 +3,8 @@ Numbers are tensor-parallel group sizes: the TP kernels at that size. Runtime in
 unspecialised and every pointer and stride 16-divisible, as at the engine's larger ranks
 (ranks 0 and 1 are specialised, so TP=2 alone never compiles these paths). `decode`: the
 decode kernels that read before their PDL wait (rotary with and without its norm, K/V store
-and fp8 cache; decode split and reduce), in their PDL variants, which Triton's interpreter
-never builds. `rows16`: the 2..16-row fused kernels (the split-K qkv sum with the rotation
+and fp8 cache; decode split, over requests and over a verify step's runs, and reduce), in
+their PDL variants, which Triton's interpreter never builds. `rows16`: the 2..16-row fused kernels (the split-K qkv sum with the rotation
 and K/V store, `qkv_rope._split_rope_kernel`; the gated dot kernel, `linear._gated_dot_kernel`)
 at llama-3.1-8b's shapes, in their PDL variants. Prints each argument once all its kernels
 have compiled; a failure raises.
@@ -69,13 +69,20 @@ def compile_decode_kernels() -> None:
             rotary._qk_norm_rope_kernel, types, {**heads, "HAS_NORM": norm, "STORE_KV": store, "TO_FP8": fp8}, 1
         )
     split = {n: BF16 for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")} | {"scale_log2": "fp32"}
-    split |= {n: I32 for n in ("page_table_ptr", "seq_lens_ptr", "kv_start_ptr")} | {"part_ptr": F32, "lse_ptr": F32}
+    split |= {n: I32 for n in ("page_table_ptr", "seq_lens_ptr", "kv_start_ptr", "run_rows_ptr")}
+    split |= {"part_ptr": F32, "lse_ptr": F32}
     split |= {n: "i32" for n in attention._decode_split_kernel.arg_names if n.startswith(("stride", "num_"))}
     shape = {"NUM_Q_HEADS": 32, "GROUP": 4, "PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64}
     shape |= {"MIN_SPLIT": 64, "USE_PDL": True}
-    for direct, start in ((False, False), (True, False), (False, True)):
-        consts = {**shape, "BLOCK_H": 16, "DIRECT": direct, "HAS_START": start, "DOT_F32": False, "HEADS_FIRST": True}
-        compile_for_hopper(attention._decode_split_kernel, split, consts, 4)
+    for direct, start, runs in (
+        (False, False, False),
+        (True, False, False),
+        (False, True, False),
+        (False, False, True),
+        (True, False, True),
+    ):
+        consts = {**shape, "BLOCK_H": 32 if runs else 16, "DIRECT": direct, "HAS_START": start, "RUNS": runs}
+        compile_for_hopper(attention._decode_split_kernel, split, {**consts, "DOT_F32": False, "HEADS_FIRST": True}, 4)
     reduce = {"part_ptr": F32, "lse_ptr": F32, "out_ptr": BF16} | {n: I32 for n in ("seq_lens_ptr", "kv_start_ptr")}
     reduce |= {"num_parts_ptr": I32} | {n: "i32" for n in ("stride_ot", "stride_oh", "num_splits", "num_cols")}
     for cascade in (False, True):

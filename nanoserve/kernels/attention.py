@@ -518,6 +518,10 @@ def _decode_split_kernel(
 ):
     # One program = one (request, kv head, split): the GROUP query heads sharing the kv head
     # are the rows of one tile, so each K/V block is loaded once for the whole group.
+    # With HAS_START (cascade), a request's positions before kv_start[b] are another
+    # kernel's (its group's shared prefix): the splits cover kv_start[b]..seq_len only.
+    # With HAS_WINDOW (a sliding-window layer, never with cascade) the splits cover the
+    # last `window` positions only: nothing before them is read.
     # With RUNS (a verify step: rows that are consecutive positions of one request, in
     # order; RunInputs), one program = one (batch row, kv head, split) and only a run's first
     # row has work (run_rows[b] = the run's length there, 0 on its other rows): the tile's
@@ -527,58 +531,60 @@ def _decode_split_kernel(
     # may see nothing (zeros and lse -inf). The reduce counts a row's splits by the row's
     # own length; as split lengths grow with the length, that covers every split holding
     # any of the row's positions. Never with HAS_START or HAS_WINDOW.
-    # With HAS_START (cascade), a request's positions before kv_start[b] are another
-    # kernel's (its group's shared prefix): the splits cover kv_start[b]..seq_len only.
-    # With HAS_WINDOW (a sliding-window layer, never with cascade) the splits cover the
-    # last `window` positions only: nothing before them is read.
     # Lengths, starts and the page table are the step's inputs (written before its first
     # kernel): read before the PDL wait, so that only q and K/V loads follow it.
     b = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
     kvh = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
     split = tl.program_id(2)
-    g = tl.arange(0, BLOCK_H)
-    b64 = b.to(tl.int64)
     if RUNS:
         count = tl.load(run_rows_ptr + b)
-        rows = b64 + g // GROUP  # each tile row's batch row
-        heads = kvh * GROUP + g % GROUP
-        row_mask = g < count * GROUP  # none on a run's later rows: their program does nothing
-        seq_len = tl.load(seq_lens_ptr + b + count - 1, mask=count > 0, other=0)
-        row_len = tl.load(seq_lens_ptr + rows, mask=row_mask, other=0)
     else:
-        rows = b64
-        heads = kvh * GROUP + g
-        row_mask = g < GROUP
-        seq_len = tl.load(seq_lens_ptr + b)
-        row_len = seq_len  # unused
-    kv_start = _kv_start(kv_start_ptr, b, seq_len, window, HAS_START, HAS_WINDOW)
-    split_len = _split_len(seq_len - kv_start, num_splits, BLOCK_N, MIN_SPLIT)
-    start = kv_start + split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    # An empty split (start >= end) still writes: zeros and lse = -inf, which the reduce weighs 0,
-    # and in DIRECT mode an empty request gets zeros. Branch-free, and the cost is one row.
-    table = page_table_ptr + b64 * stride_pt
-    page = _first_pages(table, start, end, PAGE_SIZE, BLOCK_N)
-    pdl_start(USE_PDL)  # q and this step's K/V come from the kernels before
-    out, m_i, l_i, d, d_mask = _attend_rows(
-        q_ptr, rows * stride_qt + heads * stride_qh, row_mask, table, page,
-        k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, start, end, stride_kc_slot, stride_vc_slot,
-        scale_log2, BLOCK_H, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32, row_hi=row_len, PER_ROW_HI=RUNS,
-    )  # fmt: skip
-    store_mask = row_mask[:, None] & d_mask[None, :]
-    if DIRECT:
-        if HAS_SINKS:
-            out = _with_sink(out, m_i, l_i, sinks_ptr, heads, row_mask)
-        tl.store(
-            out_ptr + (rows * stride_ot + heads * stride_oh)[:, None] + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=store_mask,
-        )
-    else:
-        # workspace rows: [B, num_q_heads, num_cols, (HEAD_DIM | 1)]; columns 0..num_splits-1
-        # are this kernel's, the rest the cascade prefix kernel's
-        row = (rows * NUM_Q_HEADS + heads) * num_cols + split
-        _store_partial(part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, store_mask, HEAD_DIM)
+        count = 1  # a compile-time 1: the branch below is no branch
+    if count > 0:  # a run's later rows have no work
+        if RUNS:
+            seq_len = tl.load(seq_lens_ptr + b + count - 1)  # the run's last row
+        else:
+            seq_len = tl.load(seq_lens_ptr + b)
+        kv_start = _kv_start(kv_start_ptr, b, seq_len, window, HAS_START, HAS_WINDOW)
+        split_len = _split_len(seq_len - kv_start, num_splits, BLOCK_N, MIN_SPLIT)
+        start = kv_start + split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+        # An empty split (start >= end) still writes: zeros and lse = -inf, which the reduce weighs 0,
+        # and in DIRECT mode an empty request gets zeros. Branch-free, and the cost is one row.
+        g = tl.arange(0, BLOCK_H)
+        if RUNS:
+            rows = (b + g // GROUP).to(tl.int64)  # each tile row's batch row
+            heads = kvh * GROUP + g % GROUP
+            row_mask = g < count * GROUP
+            row_len = tl.load(seq_lens_ptr + rows, mask=row_mask, other=0)
+        else:
+            rows = b.to(tl.int64)
+            heads = kvh * GROUP + g
+            row_mask = g < GROUP
+            row_len = seq_len  # unused
+        b64 = b.to(tl.int64)
+        table = page_table_ptr + b64 * stride_pt
+        page = _first_pages(table, start, end, PAGE_SIZE, BLOCK_N)
+        pdl_start(USE_PDL)  # q and this step's K/V come from the kernels before
+        out, m_i, l_i, d, d_mask = _attend_rows(
+            q_ptr, rows * stride_qt + heads * stride_qh, row_mask, table, page,
+            k_cache_ptr + kvh * HEAD_DIM, v_cache_ptr + kvh * HEAD_DIM, start, end, stride_kc_slot, stride_vc_slot,
+            scale_log2, BLOCK_H, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_F32, row_hi=row_len, PER_ROW_HI=RUNS,
+        )  # fmt: skip
+        store_mask = row_mask[:, None] & d_mask[None, :]
+        if DIRECT:
+            if HAS_SINKS:
+                out = _with_sink(out, m_i, l_i, sinks_ptr, heads, row_mask)
+            if RUNS:
+                out_ptrs = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+            else:
+                out_ptrs = out_ptr + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+        else:
+            # workspace rows: [B, num_q_heads, num_cols, (HEAD_DIM | 1)]; columns 0..num_splits-1
+            # are this kernel's, the rest the cascade prefix kernel's
+            row = (rows * NUM_Q_HEADS + heads) * num_cols + split
+            _store_partial(part_ptr, lse_ptr, row, out, m_i, l_i, d, row_mask, store_mask, HEAD_DIM)
 
 
 @triton.jit
