@@ -1,9 +1,10 @@
 """Triton attention backend: the fast path on CUDA (kernels in triton_kernels.py).
 
 Owns: the choice of kernel per batch (decode, cascade decode when the metadata carries a
-cascade plan, runs decode when it carries a verify step's runs, extend with prefix, FA2 for
-prefix-free prefill), the decode split count, and the decode workspace. A mixed batch runs two calls per layer on row slices into one output:
-its decode rows through the decode kernel, its prompt rows through extend (or FA2).
+cascade plan, decode over runs when it carries a verify step's runs, extend with prefix, FA2
+for prefix-free prefill), the decode split count, and the decode workspace. A mixed batch
+runs two calls per layer on row slices into one output: its decode rows through the decode
+kernel, its prompt rows through extend (or FA2).
 
 Invariants:
 - `prepare(meta)` reads host ints only (batch size, max lengths, whether any prefix exists)
@@ -239,8 +240,8 @@ class TritonAttentionBackend(AttentionBackend):
 
 
 _FA2_DTYPES = (torch.float16, torch.bfloat16)
-# The decode kernel's query tile over runs at most (rows = positions x query heads per kv head); a longer
-# run would need a larger tile than the decode configs were measured with.
+# The decode kernel's query tile over runs at most (rows = positions x query heads per kv
+# head); a longer run would need a larger tile than the decode configs were measured with.
 RUNS_MAX_TILE = 64
 
 

@@ -10,8 +10,8 @@ Invariants:
   itself), largest first, all in one memory pool, after an eager warm-up of each size;
   with `cascade`, sizes >= MIN_CASCADE_BATCH get a second graph whose attention runs the
   cascade kernels (nanoserve.attention.cascade), replayed for steps that carry a plan; with
-  `run_rows` > 1 (speculative decoding), sizes >= 2 get one whose attention runs the runs
-  kernel (runs of at most run_rows rows), replayed for verify steps. A graph's variant is
+  `run_rows` > 1 (speculative decoding), sizes >= 2 get one whose attention reads each run's
+  K/V once (runs of at most run_rows rows), replayed for verify steps. A graph's variant is
   one of VARIANTS;
 - the captured metadata says max_seq_len = the engine's max_model_len, so the Triton
   decode split count is fixed at capture while each request's work follows its device-side

@@ -190,9 +190,10 @@ class ModelRunner:
             self.cascade_members = self.backend.cascade_max_members(attn.num_heads // attn.num_kv_heads)
             self.cascade_target_items = self.backend.cascade_target_items(attn.num_kv_heads, device)
         self.num_cascade_steps = 0
-        # Runs decode (nanoserve.kernels.attention.RunInputs): a verify step's positions of one
-        # request read its K/V once; same conditions but the prefix cache, and a run (the
-        # last token and its drafts) short enough for the kernel's tile.
+        # Decode over runs (nanoserve.kernels.attention.RunInputs): a verify step's positions
+        # of one request read its K/V once. Cascade's conditions but the prefix cache, and a
+        # run (the last token and its drafts) short enough for the kernel's tile; else a
+        # verify step's rows attend one by one.
         spec = config.speculative_config()
         self.max_run_rows = 0  # 0: verify steps attend row by row
         self.num_runs_steps = 0
