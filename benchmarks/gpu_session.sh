@@ -97,6 +97,7 @@ for s in ${STAGES:-tests offline latency}; do
       stage moe_bf16 120 python benchmarks/moe.py --models qwen3-30b-a3b --tokens 1 8 64 1024 --no-ref
       stage moe_fp8 120 python benchmarks/moe.py --models qwen3-30b-a3b --tokens 1 8 64 1024 --no-ref --fp8 ;;
     tests_spec) stage tests_spec 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_speculative.py tests/test_gpu_eagle3.py ;;
+    tests_runs) stage tests_runs 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_speculative.py tests/test_triton_attention.py -k "runs or decode or identity" ;;  # decode over runs and per request
     spec_real) stage spec_real ${T_SPEC:-300} python benchmarks/speculative.py --real --gate --phases ;;  # needs the SmolLM2 wheel (../shared/gpu/smollm2_halves.sh)
     verify_cost)  # a verify step's forward against a decode step's: llama-3.1-8b K=4, SmolLM2-135M at the n-gram K of 12
       stage verify_cost 200 python benchmarks/speculative.py --verify-cost $VERIFY_ARGS
