@@ -114,8 +114,9 @@ class TritonAttentionBackend(AttentionBackend):
         for batch in range(1, max_batch + 1):
             splits = self.decode_num_splits(batch, num_kv_heads, max_seq_len, dev)
             cols = self.decode_num_cols(splits, cascade)
-            if run_rows > 1:  # the runs graph of this size: ceil(batch / run_rows) runs
-                cols = max(cols, self.runs_num_splits(-(-batch // run_rows), num_kv_heads, max_seq_len, dev))
+            if run_rows > 1:  # the runs graph of this size
+                runs = tk.graph_run_count(batch, run_rows)
+                cols = max(cols, self.runs_num_splits(runs, num_kv_heads, max_seq_len, dev))
             if cols > 1:
                 worst = max(worst, tk.workspace_numel(batch, num_q_heads, head_dim, cols))
         self._get_workspace(worst, dev)

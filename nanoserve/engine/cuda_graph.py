@@ -41,6 +41,7 @@ from tqdm import tqdm
 from nanoserve.attention.base import AttentionMetadata, CascadeInputs, RunInputs
 from nanoserve.attention.cascade import ITEM_FIELDS, MIN_CASCADE_BATCH, max_cascade_items
 from nanoserve.engine.packed_inputs import PackedLayout
+from nanoserve.kernels.attention import graph_run_count
 from nanoserve.step import ForwardInputs
 
 log = logging.getLogger("nanoserve")
@@ -184,8 +185,7 @@ class DecodeGraphs:
 
     def _static_inputs(self, bs: int, variant: str) -> ForwardInputs:
         v = self.views(bs, variant)
-        # the split count of a runs graph follows from its size: as many runs as fill it
-        runs = RunInputs(v["run_rows"], self.run_rows, -(-bs // self.run_rows)) if variant == RUNS else None
+        runs = RunInputs(v["run_rows"], self.run_rows, graph_run_count(bs, self.run_rows)) if variant == RUNS else None
         meta = AttentionMetadata(
             is_decode=True,
             seq_lens=v["seq_lens"],

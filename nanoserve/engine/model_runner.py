@@ -31,7 +31,7 @@ from nanoserve.engine.cuda_graph import (
 )
 from nanoserve.engine.packed_inputs import PackedLayout
 from nanoserve.engine.piecewise_graph import PiecewiseGraphs, piecewise_sizes
-from nanoserve.kernels.attention import RunInputs
+from nanoserve.kernels.attention import RunInputs, graph_run_count
 from nanoserve.kernels.norm import resolve_pending
 from nanoserve.kvcache.linear_state import LinearStatePool, LinearStates
 from nanoserve.kvcache.pool import KVCache, KVLayout
@@ -319,7 +319,7 @@ class ModelRunner:
             page_table = d["page_table"].view(bs, width)
         run_inputs = None
         if runs is not None:  # a graph's split count follows from its size, an eager step's from its runs
-            count = len(runs) if graph_bs is None else -(-bs // self.max_run_rows)
+            count = len(runs) if graph_bs is None else graph_run_count(bs, self.max_run_rows)
             run_inputs = RunInputs(d["run_rows"], self.max_run_rows, count)
         inputs = self._decode_inputs(d, page_table, prefix_host, max_seq, graph_bs, n, variant, run_inputs)
         inputs.pending = self._pending_tokens(d, pending)

@@ -82,6 +82,13 @@ class RunInputs:
     count: int
 
 
+def graph_run_count(rows: int, max_rows: int) -> int:
+    """The runs a decode graph of `rows` rows is captured for (its split count follows from
+    them): as many as fill it with runs of `max_rows`. The workspace reservation and every
+    runs graph's inputs count them so."""
+    return -(-rows // max_rows)
+
+
 # Triton's interpreter runs each program in numpy: small blocks keep CPU tests fast and make
 # tiny shapes cross several blocks (pages, splits, causal tiles) so that the logic is exercised.
 
@@ -802,9 +809,10 @@ def cascade_max_members(group: int) -> int:
 def choose_num_splits(
     batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, max_splits: int, programs_per_sm: int = 4
 ) -> int:
-    """About 4 (request, kv head, split) programs per multiprocessor, rounded to the nearest
-    split count (measured on an H200: batch 8 x 8 kv heads is best at 8 splits, batch 64 x 8 at
-    1), and no split shorter than MIN_SPLIT_TOKENS of the longest request. Host ints only."""
+    """About `programs_per_sm` (request, kv head, split) programs per multiprocessor (4 for
+    decode over requests, RUNS_PROGRAMS_PER_SM over runs), rounded to the nearest split count
+    (measured on an H200: batch 8 x 8 kv heads is best at 8 splits, batch 64 x 8 at 1), and no
+    split shorter than MIN_SPLIT_TOKENS of the longest request. Host ints only."""
     programs = max(1, batch * num_kv_heads)
     wanted = int(programs_per_sm * num_sms / programs + 0.5)
     by_length = math.ceil(max(1, max_seq_len) / MIN_SPLIT_TOKENS)
