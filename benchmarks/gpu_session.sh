@@ -96,6 +96,11 @@ for s in ${STAGES:-tests offline latency}; do
     moe_fp8)  # the fused MoE layer at batch sizes 1-1024, bf16 experts, then e4m3 ones (128x128 blocks)
       stage moe_bf16 120 python benchmarks/moe.py --models qwen3-30b-a3b --tokens 1 8 64 1024 --no-ref
       stage moe_fp8 120 python benchmarks/moe.py --models qwen3-30b-a3b --tokens 1 8 64 1024 --no-ref --fp8 ;;
+    moe_mxfp4)  # gpt-oss-20b's expert layer at few tokens, bf16 experts then MXFP4 ones (TUNED_MXFP4 or its fallback)
+      stage moe_gpt_oss_bf16 150 python benchmarks/moe.py --models gpt-oss-20b --tokens ${MOE_TOKENS:-1 8} --no-ref
+      stage moe_gpt_oss_mxfp4 150 python benchmarks/moe.py --models gpt-oss-20b --tokens ${MOE_TOKENS:-1 8} --no-ref --mxfp4 ;;
+    tune_mxfp4) stage tune_mxfp4 ${T_TUNE:-420} python benchmarks/moe.py --models gpt-oss-20b --mxfp4 --tune --tokens ${MOE_TOKENS:-1 2 4 8} ;;
+    latency_mxfp4) stage latency_mxfp4 200 env NANOSERVE_MXFP4_EXPERTS=1 python benchmarks/latency.py --models gpt-oss-20b --repeats 2 ;;
     tests_spec) stage tests_spec 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_speculative.py tests/test_gpu_eagle3.py ;;
     tests_runs) stage tests_runs 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_speculative.py tests/test_triton_attention.py -k "runs or decode or identity" ;;  # decode over runs and per request
     spec_real) stage spec_real ${T_SPEC:-300} python benchmarks/speculative.py --real --gate --phases ;;  # needs the SmolLM2 wheel (../shared/gpu/smollm2_halves.sh)

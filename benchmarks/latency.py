@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import copy_bandwidth, device_name, step_weight_bytes, weight_bytes
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine.cuda_graph import PLAIN
 from nanoserve.switches import KernelSwitches
 
 PROMPT_LEN = 128
@@ -81,7 +82,7 @@ def decode_wall_ms(engine, prompt: list[int], steps: int = 100) -> float:
 def batch1_graph_ms(engine, reps: int = 50) -> float:
     """GPU time of one batch-1 decode step: the captured graph replayed alone (NaN without graphs)."""
     graphs = engine.runner.graphs
-    key = (1, False)  # batch 1, the plain graph (no cascade twin below 8 rows)
+    key = (1, PLAIN)  # batch 1, the plain graph (no cascade or runs twin at one row)
     if graphs is None or key not in graphs.graphs:
         return float("nan")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
