@@ -233,10 +233,12 @@ def grouped_variants(c: moe.MoEConfig, T: int, k: int, E: int) -> list[moe.MoECo
     return [dataclasses.replace(c, group_m=g) for g in GROUPS]
 
 
-def paths_for(T: int, k: int, E: int) -> list[str]:
+def paths_for(T: int, k: int, E: int, mxfp4: bool = False) -> list[str]:
     """The paths timed at T: decode while the pairs are few (it reads an expert once per pair,
-    grouped once per distinct expert), grouped from 9 pairs on."""
-    return (["decode"] if T * k <= min(moe.DECODE_MAX_PAIRS, 2 * E) else []) + (["grouped"] if T * k > 8 else [])
+    grouped once per distinct expert), grouped from 9 pairs on; for MXFP4 experts at every T
+    (its dots run on tensor cores, the decode path's products on the FMA units)."""
+    grouped = T * k > 8 or mxfp4
+    return (["decode"] if T * k <= min(moe.DECODE_MAX_PAIRS, 2 * E) else []) + (["grouped"] if grouped else [])
 
 
 def _compile_worker(name: str, jobs: list[tuple[str, moe.MoEConfig, moe.MoEConfig]], mxfp4: bool = False) -> int:
@@ -277,7 +279,7 @@ def tuning_jobs(name: str, tokens: list[int], mxfp4: bool = False) -> list[tuple
     H, inter, E, k = MODELS[name]
     jobs = set()
     for T in tokens:
-        for path in paths_for(T, k, E):
+        for path in paths_for(T, k, E, mxfp4):
             fb13, fb2 = moe.get_configs(H, inter, E, T, k, path, mxfp4)
             if path == "decode":  # one split compiles the split variant of every down config
                 ups = decode_candidates()
@@ -303,7 +305,7 @@ def tune(name: str, T: int, n_layers: int, mxfp4: bool = False) -> None:
 
     base = timed(moe.get_configs(H, inter, E, T, k, mxfp4=mxfp4), None)
     results = []
-    for path in paths_for(T, k, E):
+    for path in paths_for(T, k, E, mxfp4):
         _, fb2 = moe.get_configs(H, inter, E, T, k, path, mxfp4)
         options = decode_candidates() if path == "decode" else grouped_candidates(T, k, E, mxfp4)
         best13 = min(options, key=lambda c: timed((c, fb2), path))

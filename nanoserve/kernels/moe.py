@@ -950,6 +950,14 @@ def _e2m1_pair(w, N: tl.constexpr):
 
 
 @triton.jit
+def _row_words(stride):
+    """A weight row's stride in 32-bit words, as whole 16-byte groups of codes (which
+    `_check_mxfp4` makes it) in a form Triton can see: its specialization knows multiples of 16
+    only, and without this loads gpt-oss's rows (H/8 = 360 words) 4 bytes at a time, not 16."""
+    return stride // 4 * 4
+
+
+@triton.jit
 def _decode_gate_up_mx_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, b_ptr, H, I, stride_x, stride_we, stride_wn, stride_se, stride_sn,
     stride_o, stride_be, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -971,8 +979,8 @@ def _decode_gate_up_mx_kernel(
     gs = tl.arange(0, G)
     qs = tl.arange(0, 4)
     words = (gs[:, None] * 4 + qs[None, :])[None]
-    g_ptrs = w_ptr + e * stride_we + rows[:, None, None].to(tl.int64) * stride_wn + words
-    u_ptrs = g_ptrs + I * stride_wn
+    g_ptrs = w_ptr + e * stride_we + rows[:, None, None].to(tl.int64) * _row_words(stride_wn) + words
+    u_ptrs = g_ptrs + I * _row_words(stride_wn)
     sg_ptrs = s_ptr + e * stride_se + rows[:, None].to(tl.int64) * stride_sn + gs[None, :]
     su_ptrs = sg_ptrs + I * stride_sn
     x_ptrs = x_ptr + token * stride_x + gs[:, None] * 32 + qs[None, :]  # element q of each group; + 4n: 4n + q
@@ -1028,7 +1036,7 @@ def _decode_down_mx_kernel(
     k_start = tl.multiple_of(split * k_split, BLOCK_K)  # whole steps: the words' loads stay 16 bytes wide
     k_end = tl.minimum(k_start + k_split, I)
     words = (gs[:, None] * 4 + qs[None, :])[None]
-    w_ptrs = w_ptr + e * stride_we + cols[:, None, None].to(tl.int64) * stride_wn + k_start // 8 + words
+    w_ptrs = w_ptr + e * stride_we + cols[:, None, None].to(tl.int64) * _row_words(stride_wn) + k_start // 8 + words
     s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + k_start // 32 + gs[None, :]
     a_ptrs = a_ptr + p * stride_a + k_start + gs[:, None] * 32 + qs[None, :]
     acc = tl.zeros([BLOCK_N, G], dtype=tl.float32)
@@ -1093,14 +1101,14 @@ def _grouped_gate_up_mx_kernel(
     col_ok = cols < I
     r = tl.arange(0, WORDS)  # the step's words of a weight row: word r % 4 of group r // 4
     x_ptrs = x_ptr + token[:, None] * stride_x + ((r // 4) * 32 + r % 4)[None, :]
-    g_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + r[:, None]
-    u_ptrs = g_ptrs + I * stride_wn
+    g_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * _row_words(stride_wn) + r[:, None]
+    u_ptrs = g_ptrs + I * _row_words(stride_wn)
     sg_ptrs = s_ptr + e * stride_se + cols[None, :].to(tl.int64) * stride_sn + (r // 4)[:, None]
     su_ptrs = sg_ptrs + I * stride_sn
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        r_ok = r < (H - k0) // 8
+        r_ok = r // 4 < (H - k0) // 32  # whole groups: the mask keeps a group's four words one load
         w_ok = r_ok[:, None] & col_ok[None, :]
         x_ok = valid[:, None] & r_ok[None, :]
         sg = _e8m0(tl.load(sg_ptrs, mask=w_ok, other=0))
@@ -1138,11 +1146,11 @@ def _grouped_down_mx_kernel(
     col_ok = cols < H
     r = tl.arange(0, WORDS)
     a_ptrs = a_ptr + pair64[:, None] * stride_a + ((r // 4) * 32 + r % 4)[None, :]
-    w_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + r[:, None]
+    w_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * _row_words(stride_wn) + r[:, None]
     s_ptrs = s_ptr + e * stride_se + cols[None, :].to(tl.int64) * stride_sn + (r // 4)[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        r_ok = r < (I - k0) // 8
+        r_ok = r // 4 < (I - k0) // 32
         w_ok = r_ok[:, None] & col_ok[None, :]
         scale = _e8m0(tl.load(s_ptrs, mask=w_ok, other=0))
         w = tl.load(w_ptrs, mask=w_ok, other=0)
