@@ -200,9 +200,16 @@ def bench(name: str, T: int, n_layers: int, with_ref: bool, fp8: bool = False, m
     )
 
 
-def decode_candidates() -> list[moe.MoEConfig]:
+def decode_candidates(mxfp4: bool = False) -> list[moe.MoEConfig]:
     """Decode-path configs: tiles of at most 16k elements and 64 per thread (no spills);
-    num_stages is the K loop's pipelining depth (1: none)."""
+    num_stages is the K loop's pipelining depth (1: none). MXFP4: 1 to 32 words of eight codes
+    a thread, single warps included."""
+    if mxfp4:
+        return [
+            moe.MoEConfig(1, bn, bk, w, s)
+            for bn, bk, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024), (1, 2, 4, 8), (1, 2, 3))
+            if 1 <= bn * bk // 8 // (32 * w) <= 32
+        ]
     return [
         moe.MoEConfig(1, bn, bk, w, s)
         for bn, bk, w, s in itertools.product((8, 16, 32, 64), (128, 256, 512), (2, 4, 8), (1, 2, 3, 4))
@@ -282,7 +289,7 @@ def tuning_jobs(name: str, tokens: list[int], mxfp4: bool = False) -> list[tuple
         for path in paths_for(T, k, E, mxfp4):
             fb13, fb2 = moe.get_configs(H, inter, E, T, k, path, mxfp4)
             if path == "decode":  # one split compiles the split variant of every down config
-                ups = decode_candidates()
+                ups = decode_candidates(mxfp4)
                 downs = ups + [dataclasses.replace(c, split_k=SPLITS[0]) for c in ups]
             else:
                 ups = grouped_candidates(T, k, E, mxfp4)
@@ -307,7 +314,7 @@ def tune(name: str, T: int, n_layers: int, mxfp4: bool = False) -> None:
     results = []
     for path in paths_for(T, k, E, mxfp4):
         _, fb2 = moe.get_configs(H, inter, E, T, k, path, mxfp4)
-        options = decode_candidates() if path == "decode" else grouped_candidates(T, k, E, mxfp4)
+        options = decode_candidates(mxfp4) if path == "decode" else grouped_candidates(T, k, E, mxfp4)
         best13 = min(options, key=lambda c: timed((c, fb2), path))
         if path == "grouped":
             options = [c for c in options if c.block_m == best13.block_m]

@@ -636,6 +636,16 @@ def test_fused_moe_refuses_bad_mxfp4():
         moe.fused_moe_partials(hidden, w13, w2, weights, ids, configs=(cfg, cfg), path="decode", scales=scales)
 
 
+def test_mxfp4_kernels_load_whole_groups_for_hopper():
+    """gpt-oss's MXFP4 kernels, built for sm_90 on the host as its shapes specialise them
+    (tests/hopper_compile.py, in a process of its own: this one may run the interpreter), load
+    a group's four words of codes in one 16-byte access (4-byte loads made them 4x slower)."""
+    pytest.importorskip("triton.backends.nvidia")
+    from hopper_compile import check_in_own_process
+
+    check_in_own_process("mxfp4")
+
+
 @gpu
 @pytest.mark.parametrize("T", [1, 8, 256])
 def test_gpu_fused_moe_mxfp4_gpt_oss_shapes(T):

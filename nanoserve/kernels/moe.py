@@ -440,8 +440,13 @@ TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
 }
 
 # The same for MXFP4 experts (`Mxfp4Scales`), whose tiles are a quarter of bf16's bytes: measured
-# with `python benchmarks/moe.py --tune --mxfp4`. None measured yet: the fallback's MXFP4 rule.
-TUNED_MXFP4: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {}
+# with `python benchmarks/moe.py --tune --mxfp4` (H200, 2026-12-03, whole-group loads and
+# prefetched K steps; "was": the fallback then). gpt-oss-20b:
+TUNED_MXFP4: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
+    (2880, 2880, 32, 1): (MoEConfig(1, 8, 512, 4, 1), MoEConfig(1, 16, 1024, 8, 1)),  # 34.9 us (was 58.0)
+    (2880, 2880, 32, 2): (MoEConfig(1, 8, 512, 4, 1), MoEConfig(1, 16, 1024, 8, 1)),  # 59.5 us (T=1's: 58.6)
+    (2880, 2880, 32, 8): (MoEConfig(1, 16, 256, 4, 1), MoEConfig(1, 16, 256, 2, 1, 2)),  # 197.5 us (was 203.0)
+}
 
 DECODE_MAX_PAIRS = 64  # untuned buckets: T*k at most this takes the decode path
 
@@ -454,15 +459,16 @@ def _fallback_config(T: int, k: int, E: int, N: int, decode: bool, mxfp4: bool =
     """Block sizes for an untuned GEMM with N output columns. Under the interpreter: the
     smallest tiles (MXFP4: one 32-element group deep, grouped 128). Decode: 128 deep per
     program (16-byte loads on 4 warps) and the widest BLOCK_N that still gives ~512 programs,
-    so a batch of one keeps every SM streaming weights. MXFP4 decode: 512 deep (256 bytes a
-    row) and 32 rows from ~256 programs on: two rows a thread share each activation's
-    conversion (4.5-5 instructions an element in the loop of the sm_90 SASS: counted, not timed).
+    so a batch of one keeps every SM streaming weights. MXFP4 decode: 8 rows 512 deep (a
+    group's four words a thread), the K loop not pipelined through shared memory (its tiles
+    prefetched in registers): gpt-oss-20b's best gate_up config at T=1 of 417 tried on an
+    H200 (2026-12-03; its down product's best: 16 x 1024 on 8 warps), where the earlier
+    32 x 512 on three stages took 1.7x as long.
     Grouped: BLOCK_M near the mean rows per expert (T*k/E), so sparse batches pad little."""
     if INTERPRET:
         return MoEConfig(1, 16, 32, 1, 1) if decode else MoEConfig(16, 16, 128 if mxfp4 else 16, 1, 1)
     if decode and mxfp4:
-        block_n = 32 if T * k * triton.cdiv(N, 32) >= 256 else 16
-        return MoEConfig(block_m=1, block_n=block_n, block_k=512, num_warps=4, num_stages=3)
+        return MoEConfig(block_m=1, block_n=8, block_k=512, num_warps=4, num_stages=1)
     if decode:
         block_n = next((n for n in (64, 32) if T * k * triton.cdiv(N, n) >= 512), 16)
         return MoEConfig(block_m=1, block_n=block_n, block_k=128, num_warps=4, num_stages=3)
@@ -958,17 +964,41 @@ def _row_words(stride):
 
 
 @triton.jit
+def _mx_word_sums(w, x_ptrs, x_ok):
+    """For int32 words w [BLOCK_N, G, 4] in `pack_mxfp4`'s layout (word q of group g of a row):
+    each word's eight weights (times 2^-14, `_e2m1_pair`) times their activations, summed in
+    fp32, one FMA an element; x_ptrs [G, 4] point at element q of each group (+ 4n: 4n + q)."""
+    part = tl.zeros(w.shape, dtype=tl.float32)
+    for n in tl.static_range(4):  # nibbles n and n + 4: elements 4n + q and 16 + 4n + q
+        x_lo = tl.load(x_ptrs + 4 * n, mask=x_ok, other=0.0).to(tl.float32)[None]
+        x_hi = tl.load(x_ptrs + 16 + 4 * n, mask=x_ok, other=0.0).to(tl.float32)[None]
+        lo, hi = _e2m1_pair(w, n)
+        part += lo * x_lo
+        part += hi * x_hi
+    return part
+
+
+@triton.jit
+def _mx_rows(w_ptrs, s_ptrs, row_ok, gs, groups_left):
+    """One K step's words [BLOCK_N, G, 4] of a program's weight rows and their groups' scales
+    [BLOCK_N, G] (`_e8m0`); groups_left <= 0: nothing is read."""
+    g_ok = gs < groups_left
+    w = tl.load(w_ptrs, mask=row_ok[:, None, None] & g_ok[None, :, None], other=0)
+    return w, _e8m0(tl.load(s_ptrs, mask=row_ok[:, None] & g_ok[None, :], other=0))
+
+
+@triton.jit
 def _decode_gate_up_mx_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, b_ptr, H, I, stride_x, stride_we, stride_wn, stride_se, stride_sn,
     stride_o, stride_be, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
     """`_decode_gate_up_kernel` on MXFP4 weights (w: the packed codes as int32 words [E, 2I, H/8],
-    s [E, 2I, H/32]): each K step loads a [BLOCK_N, G, 4] tile of words of the gate rows and one
-    of the up rows (G = BLOCK_K / 32 groups, a group's four words one thread's), accumulates
-    each (row, group, word) lane's eight products in fp32, then adds each group's sum times its
-    scale into a [BLOCK_N, G] accumulator, which is summed over G once, after the loop (H is
-    whole groups)."""
+    s [E, 2I, H/32]): each K step multiplies a [BLOCK_N, G, 4] tile of words of the gate rows
+    and one of the up rows (G = BLOCK_K / 32 groups, a group's four words one thread's) while
+    the next step's tiles load (held in registers: no wait on memory at the top of a step),
+    and adds each group's sum times its scale into a [BLOCK_N, G] accumulator, summed over G
+    once, after the loop (H is whole groups)."""
     pdl_start(USE_PDL)  # which rows to read comes from the route kernel
     G: tl.constexpr = BLOCK_K // 32
     p = tl.program_id(0).to(tl.int64)
@@ -983,28 +1013,19 @@ def _decode_gate_up_mx_kernel(
     u_ptrs = g_ptrs + I * _row_words(stride_wn)
     sg_ptrs = s_ptr + e * stride_se + rows[:, None].to(tl.int64) * stride_sn + gs[None, :]
     su_ptrs = sg_ptrs + I * stride_sn
-    x_ptrs = x_ptr + token * stride_x + gs[:, None] * 32 + qs[None, :]  # element q of each group; + 4n: 4n + q
+    x_ptrs = x_ptr + token * stride_x + gs[:, None] * 32 + qs[None, :]
+    wg, sg = _mx_rows(g_ptrs, sg_ptrs, row_ok, gs, H // 32)
+    wu, su = _mx_rows(u_ptrs, su_ptrs, row_ok, gs, H // 32)
     gate = tl.zeros([BLOCK_N, G], dtype=tl.float32)
     up = tl.zeros([BLOCK_N, G], dtype=tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=LOOP_STAGES):
-        g_ok = gs < (H - k0) // 32
-        w_ok = row_ok[:, None, None] & g_ok[None, :, None]
-        wg = tl.load(g_ptrs, mask=w_ok, other=0)
-        wu = tl.load(u_ptrs, mask=w_ok, other=0)
-        pg = tl.zeros([BLOCK_N, G, 4], dtype=tl.float32)
-        pu = tl.zeros([BLOCK_N, G, 4], dtype=tl.float32)
-        for n in tl.static_range(4):  # nibbles n and n + 4: elements 4n + q and 16 + 4n + q
-            x_lo = tl.load(x_ptrs + 4 * n, mask=g_ok[:, None], other=0.0).to(tl.float32)[None]
-            x_hi = tl.load(x_ptrs + 16 + 4 * n, mask=g_ok[:, None], other=0.0).to(tl.float32)[None]
-            lo, hi = _e2m1_pair(wg, n)
-            pg += lo * x_lo  # one fma an element: products added one by one
-            pg += hi * x_hi
-            lo, hi = _e2m1_pair(wu, n)
-            pu += lo * x_lo
-            pu += hi * x_hi
-        s_ok = row_ok[:, None] & g_ok[None, :]
-        gate += tl.sum(pg, axis=2) * _e8m0(tl.load(sg_ptrs, mask=s_ok, other=0))
-        up += tl.sum(pu, axis=2) * _e8m0(tl.load(su_ptrs, mask=s_ok, other=0))
+        left = (H - k0 - BLOCK_K) // 32  # the next step's groups
+        wg_next, sg_next = _mx_rows(g_ptrs + BLOCK_K // 8, sg_ptrs + G, row_ok, gs, left)
+        wu_next, su_next = _mx_rows(u_ptrs + BLOCK_K // 8, su_ptrs + G, row_ok, gs, left)
+        x_ok = (gs < (H - k0) // 32)[:, None]
+        gate += tl.sum(_mx_word_sums(wg, x_ptrs, x_ok), axis=2) * sg
+        up += tl.sum(_mx_word_sums(wu, x_ptrs, x_ok), axis=2) * su
+        wg, sg, wu, su = wg_next, sg_next, wu_next, su_next
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K // 8
         u_ptrs += BLOCK_K // 8
@@ -1039,25 +1060,18 @@ def _decode_down_mx_kernel(
     w_ptrs = w_ptr + e * stride_we + cols[:, None, None].to(tl.int64) * _row_words(stride_wn) + k_start // 8 + words
     s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + k_start // 32 + gs[None, :]
     a_ptrs = a_ptr + p * stride_a + k_start + gs[:, None] * 32 + qs[None, :]
+    w, scale = _mx_rows(w_ptrs, s_ptrs, col_ok, gs, (k_end - k_start) // 32)
     acc = tl.zeros([BLOCK_N, G], dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
-        g_ok = gs < (k_end - k0) // 32
-        w = tl.load(w_ptrs, mask=col_ok[:, None, None] & g_ok[None, :, None], other=0)
-        part = tl.zeros([BLOCK_N, G, 4], dtype=tl.float32)
-        for n in tl.static_range(4):
-            a_lo = tl.load(a_ptrs + 4 * n, mask=g_ok[:, None], other=0.0).to(tl.float32)[None]
-            a_hi = tl.load(a_ptrs + 16 + 4 * n, mask=g_ok[:, None], other=0.0).to(tl.float32)[None]
-            lo, hi = _e2m1_pair(w, n)
-            part += lo * a_lo
-            part += hi * a_hi
-        scale = _e8m0(tl.load(s_ptrs, mask=col_ok[:, None] & g_ok[None, :], other=0))
-        acc += tl.sum(part, axis=2) * scale
+        w_next, scale_next = _mx_rows(w_ptrs + BLOCK_K // 8, s_ptrs + G, col_ok, gs, (k_end - k0 - BLOCK_K) // 32)
+        acc += tl.sum(_mx_word_sums(w, a_ptrs, (gs < (k_end - k0) // 32)[:, None]), axis=2) * scale
+        w, scale = w_next, scale_next
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 8
         s_ptrs += G
     _decode_down_store(
-        tl.sum(acc, axis=1), planes_ptr, topk_w_ptr, b_ptr, e, H, cols, col_ok, p, split, split_k, stride_plane, stride_be,
-        a_ptr.dtype.element_ty, K, ROUND, HAS_BIAS,
+        tl.sum(acc, axis=1), planes_ptr, topk_w_ptr, b_ptr, e, H, cols, col_ok, p, split, split_k,
+        stride_plane, stride_be, a_ptr.dtype.element_ty, K, ROUND, HAS_BIAS,
     )  # fmt: skip
 
 
