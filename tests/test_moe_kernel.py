@@ -639,7 +639,8 @@ def test_fused_moe_refuses_bad_mxfp4():
 def test_mxfp4_kernels_load_whole_groups_for_hopper():
     """gpt-oss's MXFP4 kernels, built for sm_90 on the host as its shapes specialise them
     (tests/hopper_compile.py, in a process of its own: this one may run the interpreter), load
-    a group's four words of codes in one 16-byte access (4-byte loads made them 4x slower)."""
+    a group's four words of codes in one 16-byte access (one word at a time, the same tiles
+    took 137 us a layer at T=1 on an H200 against 80)."""
     pytest.importorskip("triton.backends.nvidia")
     from hopper_compile import check_in_own_process
 
