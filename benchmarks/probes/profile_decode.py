@@ -37,6 +37,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, and benc
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import math
@@ -94,7 +95,8 @@ def profile_batch1(
 ) -> dict:
     if min_split is not None:  # an experiment on the attention backend's decode split policy
         tk.MIN_SPLIT_TOKENS = min_split
-    switches = KernelSwitches(triton_ops=ops_on, pdl=pdl)
+    # the environment's other switches too (NANOSERVE_MXFP4_EXPERTS=1: gpt-oss's experts kept packed)
+    switches = dataclasses.replace(KernelSwitches.from_env(), triton_ops=ops_on, pdl=pdl)
     llm = LLM(
         name, load_format="dummy", max_model_len=1024, kv_cache_tokens=16384, max_num_seqs=8, switches=switches,
         quantization=quantization,
