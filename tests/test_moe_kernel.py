@@ -77,6 +77,18 @@ def test_interp_route(E, k, renormalize):
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
 
 
+@interp
+def test_interp_route_is_gpt_oss_routing():
+    """gpt-oss routes by a softmax over its k largest logits (Hugging Face's
+    GptOssTopKRouter); route's k largest of the softmax over all E, divided by their sum, is
+    the same function, which lets gpt-oss's fused path route in one launch."""
+    logits = 3 * torch.randn(37, 32)
+    top, ids = torch.topk(logits, 4, dim=-1)
+    w, got = moe.route(logits, 4, True)
+    assert torch.equal(got.long(), ids)
+    torch.testing.assert_close(w, torch.softmax(top, dim=-1), atol=1e-7, rtol=1e-6)
+
+
 def stable_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """The top-k expert ids, largest first, the lower index first among equal logits."""
     return torch.sort(logits.float(), dim=1, descending=True, stable=True).indices[:, :k].int()
