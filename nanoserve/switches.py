@@ -73,8 +73,9 @@ class KernelSwitches:
     # gpt-oss's MXFP4 experts stay packed (4-bit codes, a scale byte per 32) and the fused MoE kernels decode
     # them in registers, the torch twins per expert; off: dequantized to the compute dtype at load (3.8x the
     # expert bytes in bf16). Off by default: correct on a GPU and a quarter of the memory (gpt-oss-120b fits
-    # one H200 only so), and gpt-oss-20b decodes a batch of one at 2.05 ms per token with it against 2.78
-    # without, but its large batches take the grouped MXFP4 kernels: 0.62x the offline throughput (H200).
+    # one H200 only so), and gpt-oss-20b decodes a batch of one at 1.78 ms per token with it against 2.78
+    # without (measured before its router took one launch), but its large batches take the grouped MXFP4
+    # kernels: 0.62x the offline throughput (H200).
     mxfp4_experts: bool = False
     # FP8 MoE experts stay e4m3 in the fused MoE kernels on CUDA; off: dequantized to the compute dtype at
     # load (the linears keep FP8). Off by default: correct on a GPU, but slower at one token and at
