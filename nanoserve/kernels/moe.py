@@ -447,6 +447,12 @@ TUNED_MXFP4: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
     (2880, 2880, 32, 2): (MoEConfig(1, 8, 512, 4, 1), MoEConfig(1, 16, 1024, 8, 1)),  # 59.5 us (T=1's: 58.6)
     (2880, 2880, 32, 8): (MoEConfig(1, 16, 256, 4, 1), MoEConfig(1, 16, 256, 2, 1, 2)),  # 197.5 us (was 203.0)
 }
+# gpt-oss-120b: the same experts (H = I = 2880, top-4) out of 128. These are decode-path entries,
+# whose programs are (token, expert) pairs times row blocks whatever E is, so 20b's apply as
+# they are (not measured on 120b).
+TUNED_MXFP4 |= {
+    (h, i, 128, b): cfgs for (h, i, e, b), cfgs in list(TUNED_MXFP4.items()) if (h, i, e) == (2880, 2880, 32)
+}
 
 DECODE_MAX_PAIRS = 64  # untuned buckets: T*k at most this takes the decode path
 
