@@ -6,7 +6,9 @@ weight plus their fp32 scales (embedding and LM head stay bf16); gpt-oss's MXFP4
 packed with NANOSERVE_MXFP4_EXPERTS=1, half a byte per weight plus a scale byte per 32 (by default
 dequantized to bf16 at load, and counted so). Mixture-of-experts models (qwen3-30b-a3b,
 mixtral-8x7b, gpt-oss): the floor counts the top-k experts of each sparse layer (the batch-1
-case of E * (1 - (1 - k/E)^B)), the rest of the weights in full.
+case of E * (1 - (1 - k/E)^B)), the rest of the weights in full. The input embedding table is
+one of them, though a token reads one row of it: where no LM head shares it, the share of the
+floor without it is printed too.
 
     python benchmarks/latency.py [--models qwen3-0.6b llama-3.1-8b qwen3-30b-a3b mixtral-8x7b] [--repeats 3] [--triton-ops off on] [--quantization fp8]
 
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offline_throughput import copy_bandwidth, device_name, step_weight_bytes, weight_bytes
+from offline_throughput import copy_bandwidth, device_name, lookup_table_bytes, step_weight_bytes, weight_bytes
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.cuda_graph import PLAIN
@@ -129,6 +131,8 @@ def main() -> None:
         tpot = statistics.median(r[1] for r in runs)
         active = step_weight_bytes(engine.runner.model, 1)  # MoE: only the top-k experts of each layer
         floor = active / bw
+        lookup = lookup_table_bytes(engine.runner.model)  # counted in `active`, read one row a token
+        lookup_note = f" ({(active - lookup) / bw / tpot:.0%} without the untied embedding table)" if lookup else ""
         # Replaying rank 0's graph alone would wait forever in its all-reduce under TP.
         graph_ms = batch1_graph_ms(engine) if args.tp == 1 else float("nan")
         stats = llm.stats()
@@ -140,7 +144,7 @@ def main() -> None:
             f"Triton decode kernels {ops}{f', TP={args.tp}' if args.tp > 1 else ''} | "
             f"TTFT {ttft * 1e3:.2f} ms | TPOT {tpot * 1e3:.3f} ms (graph replay alone {graph_ms:.3f} ms) | weights {wbytes / 1e9:.2f} GB"
             f"{'' if active == wbytes else f', read per token {active / 1e9:.2f} GB'} at {bw / 1e12:.2f} TB/s "
-            f"-> floor {floor * 1e3:.3f} ms/token, TPOT = {floor / tpot:.0%} of floor | runs {[(round(a * 1e3, 2), round(b * 1e3, 3)) for a, b in runs]} "
+            f"-> floor {floor * 1e3:.3f} ms/token, TPOT = {floor / tpot:.0%} of floor{lookup_note} | runs {[(round(a * 1e3, 2), round(b * 1e3, 3)) for a, b in runs]} "
             f"| no leaks: {leak_free}",
             flush=True,
         )

@@ -34,6 +34,7 @@ from nanoserve.engine.compile_watch import CompileWatch
 from nanoserve.kvcache.pool import KVCache
 from nanoserve.models.decoder import kv_heads_per_rank
 from nanoserve.models.gpt_oss import GptOssMoE
+from nanoserve.models.layers import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.models.moe import SparseMoE
 from nanoserve.models.qwen3_5 import prefill_path
 
@@ -110,6 +111,18 @@ def step_weight_bytes(model: torch.nn.Module, batch: int) -> float:
             per_expert = sum(p.numel() * p.element_size() for p in module.experts.parameters()) / e
             total -= per_expert * (e - expected_experts(e, module.top_k, batch))
     return total
+
+
+def lookup_table_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the input embedding tables that no LM head shares. The floors count them in
+    full (`step_weight_bytes`), though a step reads one row of them a token; a tied table is the
+    LM head's, which a step reads whole."""
+    heads = {m.weight.data_ptr() for m in model.modules() if isinstance(m, ParallelLMHead)}
+    return sum(
+        m.weight.numel() * m.weight.element_size()
+        for m in model.modules()
+        if type(m) is VocabParallelEmbedding and m.weight.data_ptr() not in heads
+    )
 
 
 def decode_weight_bytes(model: torch.nn.Module, max_tokens: list[int]) -> float:

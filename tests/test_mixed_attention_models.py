@@ -161,6 +161,19 @@ def test_mxfp4_experts_packed_equal_dequantized(tmp_path, monkeypatch):
     assert runs[False, "floor"] - runs[True, "floor"] == pytest.approx(saved)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_lookup_table_bytes_are_an_untied_embedding(tmp_path, monkeypatch, tied):
+    """benchmarks/latency.py's floor without the embedding table: the table's bytes where no LM
+    head shares it (a token reads one row), none where the LM head is the same tensor."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from offline_throughput import lookup_table_bytes
+
+    cfg = {**tiny_config("gpt-oss"), "tie_word_embeddings": tied}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model = LLM(str(tmp_path), device="cpu", dtype="float32", load_format="dummy").engine.runner.model
+    assert lookup_table_bytes(model) == (0 if tied else cfg["vocab_size"] * cfg["hidden_size"] * 4)
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_mxfp4_experts_load_each_ranks_slice(rank):
     """Packed experts of a tensor-parallel rank (2 ranks, expert shards of two 32-groups): their
