@@ -450,9 +450,7 @@ TUNED_MXFP4: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
 # gpt-oss-120b: the same experts (H = I = 2880, top-4) out of 128. These are decode-path entries,
 # whose programs are (token, expert) pairs times row blocks whatever E is, so 20b's apply as
 # they are (not measured on 120b).
-TUNED_MXFP4 |= {
-    (h, i, 128, b): cfgs for (h, i, e, b), cfgs in list(TUNED_MXFP4.items()) if (h, i, e) == (2880, 2880, 32)
-}
+TUNED_MXFP4 |= {(h, i, 128, b): cfgs for (h, i, e, b), cfgs in TUNED_MXFP4.items() if (h, i, e) == (2880, 2880, 32)}
 
 DECODE_MAX_PAIRS = 64  # untuned buckets: T*k at most this takes the decode path
 
@@ -1015,8 +1013,9 @@ def _decode_gate_up_mx_kernel(
     gs = tl.arange(0, G)
     qs = tl.arange(0, 4)
     words = (gs[:, None] * 4 + qs[None, :])[None]
-    g_ptrs = w_ptr + e * stride_we + rows[:, None, None].to(tl.int64) * _row_words(stride_wn) + words
-    u_ptrs = g_ptrs + I * _row_words(stride_wn)
+    row_words = _row_words(stride_wn)
+    g_ptrs = w_ptr + e * stride_we + rows[:, None, None].to(tl.int64) * row_words + words
+    u_ptrs = g_ptrs + I * row_words
     sg_ptrs = s_ptr + e * stride_se + rows[:, None].to(tl.int64) * stride_sn + gs[None, :]
     su_ptrs = sg_ptrs + I * stride_sn
     x_ptrs = x_ptr + token * stride_x + gs[:, None] * 32 + qs[None, :]
@@ -1121,8 +1120,9 @@ def _grouped_gate_up_mx_kernel(
     col_ok = cols < I
     r = tl.arange(0, WORDS)  # the step's words of a weight row: word r % 4 of group r // 4
     x_ptrs = x_ptr + token[:, None] * stride_x + ((r // 4) * 32 + r % 4)[None, :]
-    g_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * _row_words(stride_wn) + r[:, None]
-    u_ptrs = g_ptrs + I * _row_words(stride_wn)
+    row_words = _row_words(stride_wn)
+    g_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * row_words + r[:, None]
+    u_ptrs = g_ptrs + I * row_words
     sg_ptrs = s_ptr + e * stride_se + cols[None, :].to(tl.int64) * stride_sn + (r // 4)[:, None]
     su_ptrs = sg_ptrs + I * stride_sn
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -11,9 +11,9 @@ scales, 17/32 byte a weight; with the switch off (the default) they are dequanti
 into the same tensors a bf16 checkpoint holds.
 
 Routing (as Hugging Face's GptOssTopKRouter): logits = x Wr^T + br, the k largest, a softmax
-over those k (in fp32 here; on the fused path moe.py's route kernel, the same function). Expert e: g, u = split(x W13_e^T + b13_e); y = (clamp(u, -L, L)
-+ 1) * g' * sigmoid(alpha g') with g' = min(g, L); out_e = y W2_e^T + b2_e; the block returns
-sum_k weight_k out_{e_k}.
+over those k (in fp32 here; on the fused path moe.py's route kernel, the same function).
+Expert e: g, u = split(x W13_e^T + b13_e); y = (clamp(u, -L, L) + 1) * g' * sigmoid(alpha g')
+with g' = min(g, L); out_e = y W2_e^T + b2_e; the block returns sum_k weight_k out_{e_k}.
 
 Layout: Hugging Face stores gate_up_proj [E, H, 2I] with gate and up columns interleaved
 (gate at even, up at odd indices) and down_proj [E, I, H]. Here, as in moe.py, w13 is
