@@ -592,7 +592,7 @@ def test_mxfp4_packing_is_the_checkpoint_format():
 # (T, H, I, configs): gpt-oss's tiny widths at 1, 3 and 17 tokens (the fallback's tiles; at 17,
 # 32-row tiles: 16-row ones took 10.6 s in the interpreter), and H of five groups in K steps
 # that end in a part step (decode: two groups, its down product split over its depth; grouped:
-# four, the least), experts no token chose among them.
+# 128 deep, two groups in fp32), experts no token chose among them.
 MXFP4_CASES = [
     (1, 64, 64, None),
     (3, 64, 64, None),
@@ -611,7 +611,7 @@ def test_interp_fused_moe_mxfp4_fp32(path, T, H, inter, cfgs):
     act = gpt_oss_act(4, inter, H)
     configs = None
     if cfgs is not None:
-        configs = tuple(moe.MoEConfig(*c) if path == "decode" else moe.MoEConfig(16, *c[1:4], 1) for c in cfgs)
+        configs = tuple(moe.MoEConfig(*c) if path == "decode" else moe.MoEConfig(16, c[1], 128, c[3], 1) for c in cfgs)
     out = moe.fused_moe(hidden, w13, w2, weights, ids, configs=configs, path=path, scales=scales, act=act)
     ref = moe.fused_moe_reference(hidden, w13, w2, weights, ids, act, scales)
     assert out.dtype == torch.float32 and ref.abs().max() > 0.5

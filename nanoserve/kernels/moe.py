@@ -461,7 +461,7 @@ def _bucket(T: int) -> int:
 
 def _fallback_config(T: int, k: int, E: int, N: int, decode: bool, mxfp4: bool = False) -> MoEConfig:
     """Block sizes for an untuned GEMM with N output columns. Under the interpreter: the
-    smallest tiles (MXFP4: one 32-element group deep, grouped 128). Decode: 128 deep per
+    smallest tiles (MXFP4: one 32-element group deep). Decode: 128 deep per
     program (16-byte loads on 4 warps) and the widest BLOCK_N that still gives ~512 programs,
     so a batch of one keeps every SM streaming weights. MXFP4 decode: 8 rows 512 deep (a
     group's four words a thread), the K loop not pipelined through shared memory (its tiles
@@ -470,7 +470,7 @@ def _fallback_config(T: int, k: int, E: int, N: int, decode: bool, mxfp4: bool =
     32 x 512 on three stages took 1.7x as long.
     Grouped: BLOCK_M near the mean rows per expert (T*k/E), so sparse batches pad little."""
     if INTERPRET:
-        return MoEConfig(1, 16, 32, 1, 1) if decode else MoEConfig(16, 16, 128 if mxfp4 else 16, 1, 1)
+        return MoEConfig(1, 16, 32, 1, 1) if decode else MoEConfig(16, 16, 32 if mxfp4 else 16, 1, 1)
     if decode and mxfp4:
         return MoEConfig(block_m=1, block_n=8, block_k=512, num_warps=4, num_stages=1)
     if decode:
@@ -1081,20 +1081,40 @@ def _decode_down_mx_kernel(
 
 
 @triton.jit
-def _mx_dot(x_ptrs, x_ok, w, scale, acc, F32: tl.constexpr):
-    """acc + one K step's product on MXFP4 weights, for the grouped kernels: w [BLOCK_K/8,
-    BLOCK_N] int32 words (row r: word r % 4 of group r // 4 of the step) and scale their
-    groups' `_e8m0` values; each of the words' eight elements (`_e2m1_pair`) dequantized in
-    registers to the activations' dtype (exact: an MXFP4 weight has two significant bits) and
-    multiplied in one dot of BLOCK_K/8 deep with its activations: x_ptrs [BLOCK_M, BLOCK_K/8]
-    points at element q of each word's group (+ 4n: element 4n + q)."""
-    for n in tl.static_range(4):
-        lo, hi = _e2m1_pair(w, n)
-        x_lo = tl.load(x_ptrs + 4 * n, mask=x_ok, other=0.0)
-        x_hi = tl.load(x_ptrs + 16 + 4 * n, mask=x_ok, other=0.0)
-        acc = _dot(x_lo, (lo * scale).to(x_lo.dtype), acc, F32)
-        acc = _dot(x_hi, (hi * scale).to(x_hi.dtype), acc, F32)
-    return acc
+def _mx_tile(w, scale, dtype: tl.constexpr):
+    """One K step's MXFP4 weights of a program's rows for the grouped kernels' dots, dequantized
+    in registers (exact: an MXFP4 weight has two significant bits) in their natural order: w
+    [BLOCK_N, W] int32 words (word r % 4 of group r // 4 of the step) and scale [BLOCK_N, W /
+    4] their groups' `_e8m0` values -> [BLOCK_N, 8W] in `dtype`. The eight pairs of `_e2m1_pair`
+    are joined as trailing dims and the groups' elements put in order by a permute of those
+    per-thread dims, so the tile is one dot as deep as the step with contiguous activations."""
+    BN: tl.constexpr = w.shape[0]
+    W: tl.constexpr = w.shape[1]
+    s = tl.reshape(tl.broadcast_to(scale[:, :, None], [BN, W // 4, 4]), [BN, W])
+    lo0, hi0 = _e2m1_pair(w, 0)
+    lo1, hi1 = _e2m1_pair(w, 1)
+    lo2, hi2 = _e2m1_pair(w, 2)
+    lo3, hi3 = _e2m1_pair(w, 3)
+    p0 = tl.join((lo0 * s).to(dtype), (hi0 * s).to(dtype))  # [BN, W, h]: element 16h + 4n + q
+    p1 = tl.join((lo1 * s).to(dtype), (hi1 * s).to(dtype))
+    p2 = tl.join((lo2 * s).to(dtype), (hi2 * s).to(dtype))
+    p3 = tl.join((lo3 * s).to(dtype), (hi3 * s).to(dtype))
+    t = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [BN, W, h, j, i]: n = 2j + i
+    t = tl.reshape(t, [BN, W // 4, 4, 8])  # [BN, group, q, 4h + n]
+    return tl.reshape(tl.permute(t, (0, 1, 3, 2)), [BN, 8 * W])  # element 32 group + 16h + 4n + q
+
+
+@triton.jit
+def _mx_step(w_ptrs, s_ptrs, col_ok, gs, groups_left, dtype: tl.constexpr):
+    """One K step's dequantized weight tile [BLOCK_N, BLOCK_K] (`_mx_tile`) for the grouped
+    kernels: w_ptrs [BLOCK_N, BLOCK_K / 8] at the step's words, s_ptrs [BLOCK_N, BLOCK_K / 32]
+    at its groups' scales; groups past groups_left read as zeros (masked by whole groups: a
+    group's four words stay one 16-byte load)."""
+    W: tl.constexpr = w_ptrs.shape[1]
+    r = tl.arange(0, W)
+    w = tl.load(w_ptrs, mask=col_ok[:, None] & (r // 4 < groups_left)[None, :], other=0)
+    s = tl.load(s_ptrs, mask=col_ok[:, None] & (gs < groups_left)[None, :], other=0)
+    return _mx_tile(w, _e8m0(s), dtype)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
@@ -1105,12 +1125,11 @@ def _grouped_gate_up_mx_kernel(
     GROUP_M: tl.constexpr, F32: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
     """`_grouped_gate_up_kernel` on MXFP4 weights (as `_decode_gate_up_mx_kernel`'s: int32
-    words [E, 2I, H/8]): each K step's weight tiles are dequantized in registers (`_mx_dot`,
-    BLOCK_K >= 128 so that its dots are 16 deep); H is whole groups."""
+    words [E, 2I, H/8]): each K step's weight tiles are dequantized in registers (`_mx_step`)
+    and multiplied in one dot each; H is whole groups."""
     b, n = _block_of(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if b * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    WORDS: tl.constexpr = BLOCK_K // 8
     e = tl.load(block_expert_ptr + b).to(tl.int64)
     rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(pairs_ptr + rows)
@@ -1118,26 +1137,24 @@ def _grouped_gate_up_mx_kernel(
     token = (pair // K).to(tl.int64)
     cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
-    r = tl.arange(0, WORDS)  # the step's words of a weight row: word r % 4 of group r // 4
-    x_ptrs = x_ptr + token[:, None] * stride_x + ((r // 4) * 32 + r % 4)[None, :]
+    ks = tl.arange(0, BLOCK_K)
+    gs = tl.arange(0, BLOCK_K // 32)
+    x_ptrs = x_ptr + token[:, None] * stride_x + ks[None, :]
     row_words = _row_words(stride_wn)
-    g_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * row_words + r[:, None]
+    g_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * row_words + tl.arange(0, BLOCK_K // 8)[None, :]
     u_ptrs = g_ptrs + I * row_words
-    sg_ptrs = s_ptr + e * stride_se + cols[None, :].to(tl.int64) * stride_sn + (r // 4)[:, None]
+    sg_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + gs[None, :]
     su_ptrs = sg_ptrs + I * stride_sn
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        r_ok = r // 4 < (H - k0) // 32  # whole groups: the mask keeps a group's four words one load
-        w_ok = r_ok[:, None] & col_ok[None, :]
-        x_ok = valid[:, None] & r_ok[None, :]
-        sg = _e8m0(tl.load(sg_ptrs, mask=w_ok, other=0))
-        su = _e8m0(tl.load(su_ptrs, mask=w_ok, other=0))
-        gate = _mx_dot(x_ptrs, x_ok, tl.load(g_ptrs, mask=w_ok, other=0), sg, gate, F32)
-        up = _mx_dot(x_ptrs, x_ok, tl.load(u_ptrs, mask=w_ok, other=0), su, up, F32)
+        left = (H - k0) // 32
+        x = tl.load(x_ptrs, mask=valid[:, None] & (ks < H - k0)[None, :], other=0.0)
+        gate = _dot(x, tl.trans(_mx_step(g_ptrs, sg_ptrs, col_ok, gs, left, x.dtype)), gate, F32)
+        up = _dot(x, tl.trans(_mx_step(u_ptrs, su_ptrs, col_ok, gs, left, x.dtype)), up, F32)
         x_ptrs += BLOCK_K
-        g_ptrs += WORDS
-        u_ptrs += WORDS
+        g_ptrs += BLOCK_K // 8
+        u_ptrs += BLOCK_K // 8
         sg_ptrs += BLOCK_K // 32
         su_ptrs += BLOCK_K // 32
     _grouped_gate_up_store(
@@ -1156,7 +1173,6 @@ def _grouped_down_mx_kernel(
     b, n = _block_of(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if b * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    WORDS: tl.constexpr = BLOCK_K // 8
     e = tl.load(block_expert_ptr + b).to(tl.int64)
     rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(pairs_ptr + rows)
@@ -1164,19 +1180,18 @@ def _grouped_down_mx_kernel(
     pair64 = pair.to(tl.int64)
     cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
-    r = tl.arange(0, WORDS)
-    a_ptrs = a_ptr + pair64[:, None] * stride_a + ((r // 4) * 32 + r % 4)[None, :]
-    w_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * _row_words(stride_wn) + r[:, None]
-    s_ptrs = s_ptr + e * stride_se + cols[None, :].to(tl.int64) * stride_sn + (r // 4)[:, None]
+    ks = tl.arange(0, BLOCK_K)
+    gs = tl.arange(0, BLOCK_K // 32)
+    a_ptrs = a_ptr + pair64[:, None] * stride_a + ks[None, :]
+    w_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * _row_words(stride_wn)
+    w_ptrs += tl.arange(0, BLOCK_K // 8)[None, :]
+    s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + gs[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        r_ok = r // 4 < (I - k0) // 32
-        w_ok = r_ok[:, None] & col_ok[None, :]
-        scale = _e8m0(tl.load(s_ptrs, mask=w_ok, other=0))
-        w = tl.load(w_ptrs, mask=w_ok, other=0)
-        acc = _mx_dot(a_ptrs, valid[:, None] & r_ok[None, :], w, scale, acc, F32)
+        a = tl.load(a_ptrs, mask=valid[:, None] & (ks < I - k0)[None, :], other=0.0)
+        acc = _dot(a, tl.trans(_mx_step(w_ptrs, s_ptrs, col_ok, gs, (I - k0) // 32, a.dtype)), acc, F32)
         a_ptrs += BLOCK_K
-        w_ptrs += WORDS
+        w_ptrs += BLOCK_K // 8
         s_ptrs += BLOCK_K // 32
     _grouped_down_store(
         acc, planes_ptr, topk_w_ptr, b_ptr, e, H, cols, col_ok, pair64, valid, stride_plane, stride_be,
@@ -1261,16 +1276,14 @@ def _check_mxfp4(w13: torch.Tensor, w2: torch.Tensor, scales: Mxfp4Scales) -> No
 
 
 def _mx_configs(cfg13: MoEConfig, cfg2: MoEConfig, path: str, dtype: torch.dtype) -> tuple[MoEConfig, MoEConfig]:
-    """MXFP4 launch parameters: K steps of whole 32-element groups, on the grouped path at
-    least 128 deep (its dots are an eighth of the step deep: tl.dot takes 16 and up) and as
+    """MXFP4 launch parameters: K steps of whole 32-element groups, on the grouped path as
     deep in bytes of activations as bf16's (`_for_dtype`); the decode path's as given (one row
     of activations; its weights half a byte an element whatever the dtype)."""
-    least = 8 * 16 if path == "grouped" else MXFP4_GROUP
     out = []
     for c in (cfg13, cfg2):
         if path == "grouped":
             c = _for_dtype(c, dtype)
-        c = replace(c, block_k=max(c.block_k, least))
+        c = replace(c, block_k=max(c.block_k, MXFP4_GROUP))
         if c.block_k & (c.block_k - 1):
             raise ValueError(f"fused_moe: MXFP4 K steps must be a power of two of at least 32, got {c.block_k}")
         out.append(c)
