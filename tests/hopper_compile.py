@@ -139,7 +139,7 @@ def compile_mxfp4_kernels() -> None:
     assert "ld.global.v4.b32" in ptx, "the decode down kernel reads its weights in pieces"
     grouped = gate_up | {n: I32 for n in ("pairs_ptr", "block_expert_ptr", "num_padded_ptr")}
     grouped |= {"num_pairs": "i32", "num_m": "i32"}
-    tiles = {"K": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 0, "F32": False} | act
+    tiles = {"K": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 0, "F32": False, "ASM": True} | act
     ptx = compile_for_hopper(moe._grouped_gate_up_mx_kernel, grouped, tiles, 4, 3, odd)
     whole = re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
     assert whole, "the grouped gate_up kernel reads its weights in pieces"

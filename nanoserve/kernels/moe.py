@@ -1080,32 +1080,95 @@ def _decode_down_mx_kernel(
     )  # fmt: skip
 
 
+# The grouped kernels' bf16 dequantize, in PTX: a word's four pairs (`_e2m1_pair`'s) put where
+# bf16's lowest two exponent bits and highest mantissa bit are (magnitudes at 6..8 and 22..24,
+# signs at 15 and 31), which is the E2M1 value times 2^-126 (code 1, 0.5, lands on bf16's
+# subnormal 2^-127, which bf16 arithmetic keeps), then two bf16x2 products: by 2^126 (exact)
+# and by the group's scale 2^(s - 127) (exact for 1 <= s <= 254; s = 0 reads as 0). About 2.5
+# instructions an element, against 7.7 for `_e2m1_pair`'s fp16 -> fp32 -> scaled -> bf16.
+# Operands: $0..$7 the bf16 outputs (pair n's element of half 0, of half 1), $8 the word, $9 the
+# scale as a bf16x2 (s << 7 in both halves).
+_MX_BF16_ASM: tl.constexpr = tl.constexpr(
+    """{
+    .reg .b32 m<4>, t, c;
+    mov.b32 c, 0x7E807E80;
+    shr.b32 t, $8, 3;
+    and.b32 t, t, 0x01C001C0;
+    and.b32 m0, $8, 0x80008000;
+    or.b32 m0, m0, t;
+    and.b32 t, $8, 0x01C001C0;
+    shl.b32 m1, $8, 3;
+    and.b32 m1, m1, 0x80008000;
+    or.b32 m1, m1, t;
+    shl.b32 t, $8, 6;
+    and.b32 t, t, 0x01C001C0;
+    shl.b32 m2, $8, 2;
+    and.b32 m2, m2, 0x80008000;
+    or.b32 m2, m2, t;
+    shl.b32 t, $8, 3;
+    and.b32 t, t, 0x01C001C0;
+    shl.b32 m3, $8, 1;
+    and.b32 m3, m3, 0x80008000;
+    or.b32 m3, m3, t;
+    mul.rn.bf16x2 m0, m0, c;
+    mul.rn.bf16x2 m1, m1, c;
+    mul.rn.bf16x2 m2, m2, c;
+    mul.rn.bf16x2 m3, m3, c;
+    mul.rn.bf16x2 m0, m0, $9;
+    mul.rn.bf16x2 m1, m1, $9;
+    mul.rn.bf16x2 m2, m2, $9;
+    mul.rn.bf16x2 m3, m3, $9;
+    mov.b32 {$0, $1}, m0;
+    mov.b32 {$2, $3}, m1;
+    mov.b32 {$4, $5}, m2;
+    mov.b32 {$6, $7}, m3;
+    }"""
+)
+
+
 @triton.jit
-def _mx_tile(w, scale, dtype: tl.constexpr):
+def _mx_tile(w, s, dtype: tl.constexpr, ASM: tl.constexpr):
     """One K step's MXFP4 weights of a program's rows for the grouped kernels' dots, dequantized
-    in registers (exact: an MXFP4 weight has two significant bits) in their natural order: w
-    [BLOCK_N, W] int32 words (word r % 4 of group r // 4 of the step) and scale [BLOCK_N, W /
-    4] their groups' `_e8m0` values -> [BLOCK_N, 8W] in `dtype`. The eight pairs of `_e2m1_pair`
-    are joined as trailing dims and the groups' elements put in order by a permute of those
-    per-thread dims, so the tile is one dot as deep as the step with contiguous activations."""
+    in registers (exact: an MXFP4 weight has two significant bits): w [BLOCK_N, W] int32 words
+    (word r % 4 of group r // 4 of the step), s [BLOCK_N, W / 4] their groups' uint8 scales ->
+    [BLOCK_N, 8W] in `dtype`, depth in the order k' = 8r + 2n + h of word r's pair n, half h
+    (group element 16h + 4n + r % 4; `_mx_activations` puts the activations in that order).
+    ASM: bf16 by `_MX_BF16_ASM`; else through `_e2m1_pair` in fp32 (any dtype, the interpreter)."""
     BN: tl.constexpr = w.shape[0]
     W: tl.constexpr = w.shape[1]
-    s = tl.reshape(tl.broadcast_to(scale[:, :, None], [BN, W // 4, 4]), [BN, W])
-    lo0, hi0 = _e2m1_pair(w, 0)
-    lo1, hi1 = _e2m1_pair(w, 1)
-    lo2, hi2 = _e2m1_pair(w, 2)
-    lo3, hi3 = _e2m1_pair(w, 3)
-    p0 = tl.join((lo0 * s).to(dtype), (hi0 * s).to(dtype))  # [BN, W, h]: element 16h + 4n + q
-    p1 = tl.join((lo1 * s).to(dtype), (hi1 * s).to(dtype))
-    p2 = tl.join((lo2 * s).to(dtype), (hi2 * s).to(dtype))
-    p3 = tl.join((lo3 * s).to(dtype), (hi3 * s).to(dtype))
-    t = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [BN, W, h, j, i]: n = 2j + i
-    t = tl.reshape(t, [BN, W // 4, 4, 8])  # [BN, group, q, 4h + n]
-    return tl.reshape(tl.permute(t, (0, 1, 3, 2)), [BN, 8 * W])  # element 32 group + 16h + 4n + q
+    s = tl.reshape(tl.broadcast_to(s.to(tl.int32)[:, :, None], [BN, W // 4, 4]), [BN, W])
+    if ASM:
+        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3 = tl.inline_asm_elementwise(
+            _MX_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, (s << 7) | (s << 23)], dtype=(tl.bfloat16,) * 8,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        scale = _e8m0(s)
+        lo0, hi0 = _e2m1_pair(w, 0)
+        lo1, hi1 = _e2m1_pair(w, 1)
+        lo2, hi2 = _e2m1_pair(w, 2)
+        lo3, hi3 = _e2m1_pair(w, 3)
+        lo0, hi0 = (lo0 * scale).to(dtype), (hi0 * scale).to(dtype)
+        lo1, hi1 = (lo1 * scale).to(dtype), (hi1 * scale).to(dtype)
+        lo2, hi2 = (lo2 * scale).to(dtype), (hi2 * scale).to(dtype)
+        lo3, hi3 = (lo3 * scale).to(dtype), (hi3 * scale).to(dtype)
+    lo = tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3))  # [BN, W, j, i]: pair n = 2j + i
+    hi = tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3))
+    return tl.reshape(tl.join(lo, hi), [BN, 8 * W])  # trailing per-thread dims merged: no data moves
 
 
 @triton.jit
-def _mx_step(w_ptrs, s_ptrs, col_ok, gs, groups_left, dtype: tl.constexpr):
+def _mx_activations(x):
+    """Activations [BLOCK_M, BLOCK_K] in natural order -> in `_mx_tile`'s depth order: position
+    32g + 8q + 2n + h holds element 32g + 16h + 4n + q."""
+    BM: tl.constexpr = x.shape[0]
+    BK: tl.constexpr = x.shape[1]
+    x = tl.permute(tl.reshape(x, [BM, BK // 32, 2, 4, 4]), (0, 1, 4, 3, 2))
+    return tl.reshape(x, [BM, BK])
+
+
+@triton.jit
+def _mx_step(w_ptrs, s_ptrs, col_ok, gs, groups_left, dtype: tl.constexpr, ASM: tl.constexpr):
     """One K step's dequantized weight tile [BLOCK_N, BLOCK_K] (`_mx_tile`) for the grouped
     kernels: w_ptrs [BLOCK_N, BLOCK_K / 8] at the step's words, s_ptrs [BLOCK_N, BLOCK_K / 32]
     at its groups' scales; groups past groups_left read as zeros (masked by whole groups: a
@@ -1114,7 +1177,7 @@ def _mx_step(w_ptrs, s_ptrs, col_ok, gs, groups_left, dtype: tl.constexpr):
     r = tl.arange(0, W)
     w = tl.load(w_ptrs, mask=col_ok[:, None] & (r // 4 < groups_left)[None, :], other=0)
     s = tl.load(s_ptrs, mask=col_ok[:, None] & (gs < groups_left)[None, :], other=0)
-    return _mx_tile(w, _e8m0(s), dtype)
+    return _mx_tile(w, s, dtype, ASM)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
@@ -1122,7 +1185,8 @@ def _grouped_gate_up_mx_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, b_ptr,
     H, I, num_pairs, num_m, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_o, stride_be,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, F32: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    GROUP_M: tl.constexpr, F32: tl.constexpr, ASM: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):  # fmt: skip
     """`_grouped_gate_up_kernel` on MXFP4 weights (as `_decode_gate_up_mx_kernel`'s: int32
     words [E, 2I, H/8]): each K step's weight tiles are dequantized in registers (`_mx_step`)
@@ -1149,9 +1213,9 @@ def _grouped_gate_up_mx_kernel(
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         left = (H - k0) // 32
-        x = tl.load(x_ptrs, mask=valid[:, None] & (ks < H - k0)[None, :], other=0.0)
-        gate = _dot(x, tl.trans(_mx_step(g_ptrs, sg_ptrs, col_ok, gs, left, x.dtype)), gate, F32)
-        up = _dot(x, tl.trans(_mx_step(u_ptrs, su_ptrs, col_ok, gs, left, x.dtype)), up, F32)
+        x = _mx_activations(tl.load(x_ptrs, mask=valid[:, None] & (ks < H - k0)[None, :], other=0.0))
+        gate = _dot(x, tl.trans(_mx_step(g_ptrs, sg_ptrs, col_ok, gs, left, x.dtype, ASM)), gate, F32)
+        up = _dot(x, tl.trans(_mx_step(u_ptrs, su_ptrs, col_ok, gs, left, x.dtype, ASM)), up, F32)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K // 8
         u_ptrs += BLOCK_K // 8
@@ -1167,7 +1231,7 @@ def _grouped_down_mx_kernel(
     a_ptr, w_ptr, s_ptr, planes_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, b_ptr,
     H, I, num_pairs, num_m, stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_plane, stride_be,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, F32: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUP_M: tl.constexpr, F32: tl.constexpr, ASM: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """`_grouped_down_kernel` on MXFP4 weights (as `_grouped_gate_up_mx_kernel`'s); I is whole groups."""
     b, n = _block_of(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
@@ -1188,8 +1252,9 @@ def _grouped_down_mx_kernel(
     s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + gs[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        a = tl.load(a_ptrs, mask=valid[:, None] & (ks < I - k0)[None, :], other=0.0)
-        acc = _dot(a, tl.trans(_mx_step(w_ptrs, s_ptrs, col_ok, gs, (I - k0) // 32, a.dtype)), acc, F32)
+        a = _mx_activations(tl.load(a_ptrs, mask=valid[:, None] & (ks < I - k0)[None, :], other=0.0))
+        w = _mx_step(w_ptrs, s_ptrs, col_ok, gs, (I - k0) // 32, a.dtype, ASM)
+        acc = _dot(a, tl.trans(w), acc, F32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 8
         s_ptrs += BLOCK_K // 32
@@ -1319,6 +1384,7 @@ def _mxfp4_partials(hidden, w13, w2, scales: Mxfp4Scales, ids, weights, cfg13, c
         )  # fmt: skip
         return planes
     f32 = hidden.dtype == torch.float32 or INTERPRET  # see _dot
+    asm = hidden.dtype == torch.bfloat16 and not INTERPRET  # `_MX_BF16_ASM`
     al13 = align(ids, E, cfg13.block_m)
     al2 = al13 if cfg2.block_m == cfg13.block_m else align(ids, E, cfg2.block_m)
     num_m = al13.block_expert.numel()
@@ -1326,14 +1392,15 @@ def _mxfp4_partials(hidden, w13, w2, scales: Mxfp4Scales, ids, weights, cfg13, c
         hidden, w13, s13, out13, al13.sorted_pairs, al13.block_expert, al13.num_padded, b13,
         H, inter, pairs, num_m, hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         out13.stride(0), b13.stride(0), K=k, BLOCK_M=cfg13.block_m, BLOCK_N=cfg13.block_n, BLOCK_K=cfg13.block_k,
-        GROUP_M=cfg13.group_m, F32=f32, **kinds["gate_up"], num_warps=cfg13.num_warps, num_stages=cfg13.num_stages,
+        GROUP_M=cfg13.group_m, F32=f32, ASM=asm, **kinds["gate_up"], num_warps=cfg13.num_warps,
+        num_stages=cfg13.num_stages,
     )  # fmt: skip
     num_m = al2.block_expert.numel()
     _grouped_down_mx_kernel[(num_m * triton.cdiv(H, cfg2.block_n),)](
         out13, w2, s2, planes, weights, al2.sorted_pairs, al2.block_expert, al2.num_padded, b2,
         H, inter, pairs, num_m, out13.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), T * H,
         b2.stride(0), K=k, BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m,
-        F32=f32, **kinds["down"], num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+        F32=f32, ASM=asm, **kinds["down"], num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
     )  # fmt: skip
     return planes
 
