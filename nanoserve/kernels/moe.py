@@ -446,11 +446,19 @@ TUNED_MXFP4: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
     (2880, 2880, 32, 1): (MoEConfig(1, 8, 512, 4, 1), MoEConfig(1, 16, 1024, 8, 1)),  # 34.9 us (was 58.0)
     (2880, 2880, 32, 2): (MoEConfig(1, 8, 512, 4, 1), MoEConfig(1, 16, 1024, 8, 1)),  # 59.5 us (T=1's: 58.6)
     (2880, 2880, 32, 8): (MoEConfig(1, 16, 256, 4, 1), MoEConfig(1, 16, 256, 2, 1, 2)),  # 197.5 us (was 203.0)
+    # Grouped entries at cbeeea2 (bf16 dequantized in PTX, one dot a K step; "was": the fallback):
+    (2880, 2880, 32, 32): (MoEConfig(16, 64, 128, 4, 4), MoEConfig(16, 128, 128, 4, 3)),  # 262.1 us (was 292.3)
+    (2880, 2880, 32, 256): (MoEConfig(64, 128, 128, 4, 3), MoEConfig(64, 128, 64, 4, 3)),  # 429.2 us (was 665.4)
+    (2880, 2880, 32, 1024): (MoEConfig(64, 128, 128, 4, 3), MoEConfig(64, 128, 64, 4, 3)),  # 1090.6 us (was 1096.8)
 }
-# gpt-oss-120b: the same experts (H = I = 2880, top-4) out of 128. These are decode-path entries,
-# whose programs are (token, expert) pairs times row blocks whatever E is, so 20b's apply as
-# they are (not measured on 120b).
-TUNED_MXFP4 |= {(h, i, 128, b): cfgs for (h, i, e, b), cfgs in TUNED_MXFP4.items() if (h, i, e) == (2880, 2880, 32)}
+# gpt-oss-120b: the same experts (H = I = 2880, top-4) out of 128. Its decode-path entries are
+# 20b's: those programs are (token, expert) pairs times row blocks whatever E is (not measured on
+# 120b). Its grouped path takes the fallback: there an expert's rows per block depend on E.
+TUNED_MXFP4 |= {
+    (h, i, 128, b): cfgs
+    for (h, i, e, b), cfgs in TUNED_MXFP4.items()
+    if (h, i, e) == (2880, 2880, 32) and cfgs[0].block_m == 1  # the decode path (`_path_of`)
+}
 
 DECODE_MAX_PAIRS = 64  # untuned buckets: T*k at most this takes the decode path
 
