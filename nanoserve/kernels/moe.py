@@ -1176,23 +1176,16 @@ def _mx_activations(x):
 
 
 @triton.jit
-def _mx_words(w_ptrs, col_ok, groups_left):
-    """One K step's words [BLOCK_N, BLOCK_K / 8] of a program's weight rows for the grouped
-    kernels; groups past groups_left read as zeros (masked by whole groups: a group's four words
-    stay one 16-byte load). Triton's pipeliner streams these through shared memory."""
-    r = tl.arange(0, w_ptrs.shape[1])
-    return tl.load(w_ptrs, mask=col_ok[:, None] & (r // 4 < groups_left)[None, :], other=0)
-
-
-@triton.jit
-def _mx_next(x_ptrs, x_ok, ks, s_ptrs, s2_ptrs, col_ok, gs, k_left):
-    """The next K step's activations [BLOCK_M, BLOCK_K] (`_mx_activations`' order) and its
-    groups' scales [BLOCK_N, BLOCK_K / 32] (of two weights: s2_ptrs may be s_ptrs), k_left
-    elements from the step on, loaded a step ahead into registers: the pipeliner streams only
-    loads that feed a dot as they are, and these would stall every step on their latency."""
-    x = tl.load(x_ptrs, mask=x_ok[:, None] & (ks < k_left)[None, :], other=0.0)
-    s_ok = col_ok[:, None] & (gs < k_left // 32)[None, :]
-    return _mx_activations(x), tl.load(s_ptrs, mask=s_ok, other=0), tl.load(s2_ptrs, mask=s_ok, other=0)
+def _mx_step(w_ptrs, s_ptrs, col_ok, gs, groups_left, dtype: tl.constexpr, ASM: tl.constexpr):
+    """One K step's dequantized weight tile [BLOCK_N, BLOCK_K] (`_mx_tile`) for the grouped
+    kernels: w_ptrs [BLOCK_N, BLOCK_K / 8] at the step's words, s_ptrs [BLOCK_N, BLOCK_K / 32]
+    at its groups' scales; groups past groups_left read as zeros (masked by whole groups: a
+    group's four words stay one 16-byte load)."""
+    W: tl.constexpr = w_ptrs.shape[1]
+    r = tl.arange(0, W)
+    w = tl.load(w_ptrs, mask=col_ok[:, None] & (r // 4 < groups_left)[None, :], other=0)
+    s = tl.load(s_ptrs, mask=col_ok[:, None] & (gs < groups_left)[None, :], other=0)
+    return _mx_tile(w, s, dtype, ASM)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # T*k varies per step: one compile
@@ -1204,13 +1197,11 @@ def _grouped_gate_up_mx_kernel(
     LIMIT: tl.constexpr,
 ):  # fmt: skip
     """`_grouped_gate_up_kernel` on MXFP4 weights (as `_decode_gate_up_mx_kernel`'s: int32
-    words [E, 2I, H/8]): each K step's weight tiles are dequantized in registers (`_mx_tile`)
-    and multiplied in one dot each, the next step's activations and scales loading meanwhile
-    (`_mx_next`); H is whole groups."""
+    words [E, 2I, H/8]): each K step's weight tiles are dequantized in registers (`_mx_step`)
+    and multiplied in one dot each; H is whole groups."""
     b, n = _block_of(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if b * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    G: tl.constexpr = BLOCK_K // 32
     e = tl.load(block_expert_ptr + b).to(tl.int64)
     rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(pairs_ptr + rows)
@@ -1219,28 +1210,25 @@ def _grouped_gate_up_mx_kernel(
     cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
-    gs = tl.arange(0, G)
+    gs = tl.arange(0, BLOCK_K // 32)
     x_ptrs = x_ptr + token[:, None] * stride_x + ks[None, :]
     row_words = _row_words(stride_wn)
     g_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * row_words + tl.arange(0, BLOCK_K // 8)[None, :]
     u_ptrs = g_ptrs + I * row_words
     sg_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + gs[None, :]
     su_ptrs = sg_ptrs + I * stride_sn
-    x, sg, su = _mx_next(x_ptrs, valid, ks, sg_ptrs, su_ptrs, col_ok, gs, H)
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
+        left = (H - k0) // 32
+        x = _mx_activations(tl.load(x_ptrs, mask=valid[:, None] & (ks < H - k0)[None, :], other=0.0))
+        gate = _dot(x, tl.trans(_mx_step(g_ptrs, sg_ptrs, col_ok, gs, left, x.dtype, ASM)), gate, F32)
+        up = _dot(x, tl.trans(_mx_step(u_ptrs, su_ptrs, col_ok, gs, left, x.dtype, ASM)), up, F32)
         x_ptrs += BLOCK_K
-        sg_ptrs += G
-        su_ptrs += G
-        x_next, sg_next, su_next = _mx_next(x_ptrs, valid, ks, sg_ptrs, su_ptrs, col_ok, gs, H - k0 - BLOCK_K)
-        wg = _mx_words(g_ptrs, col_ok, (H - k0) // 32)
-        wu = _mx_words(u_ptrs, col_ok, (H - k0) // 32)
-        gate = _dot(x, tl.trans(_mx_tile(wg, sg, x.dtype, ASM)), gate, F32)
-        up = _dot(x, tl.trans(_mx_tile(wu, su, x.dtype, ASM)), up, F32)
-        x, sg, su = x_next, sg_next, su_next
         g_ptrs += BLOCK_K // 8
         u_ptrs += BLOCK_K // 8
+        sg_ptrs += BLOCK_K // 32
+        su_ptrs += BLOCK_K // 32
     _grouped_gate_up_store(
         gate, up, out_ptr, b_ptr, e, I, cols, col_ok, pair, valid, stride_o, stride_be, ACT, ALPHA, LIMIT
     )
@@ -1257,7 +1245,6 @@ def _grouped_down_mx_kernel(
     b, n = _block_of(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if b * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    G: tl.constexpr = BLOCK_K // 32
     e = tl.load(block_expert_ptr + b).to(tl.int64)
     rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(pairs_ptr + rows)
@@ -1266,21 +1253,19 @@ def _grouped_down_mx_kernel(
     cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     ks = tl.arange(0, BLOCK_K)
-    gs = tl.arange(0, G)
+    gs = tl.arange(0, BLOCK_K // 32)
     a_ptrs = a_ptr + pair64[:, None] * stride_a + ks[None, :]
     w_ptrs = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * _row_words(stride_wn)
     w_ptrs += tl.arange(0, BLOCK_K // 8)[None, :]
     s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + gs[None, :]
-    a, scale, _ = _mx_next(a_ptrs, valid, ks, s_ptrs, s_ptrs, col_ok, gs, I)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        a_ptrs += BLOCK_K
-        s_ptrs += G
-        a_next, scale_next, _ = _mx_next(a_ptrs, valid, ks, s_ptrs, s_ptrs, col_ok, gs, I - k0 - BLOCK_K)
-        w = _mx_tile(_mx_words(w_ptrs, col_ok, (I - k0) // 32), scale, a.dtype, ASM)
+        a = _mx_activations(tl.load(a_ptrs, mask=valid[:, None] & (ks < I - k0)[None, :], other=0.0))
+        w = _mx_step(w_ptrs, s_ptrs, col_ok, gs, (I - k0) // 32, a.dtype, ASM)
         acc = _dot(a, tl.trans(w), acc, F32)
-        a, scale = a_next, scale_next
+        a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 8
+        s_ptrs += BLOCK_K // 32
     _grouped_down_store(
         acc, planes_ptr, topk_w_ptr, b_ptr, e, H, cols, col_ok, pair64, valid, stride_plane, stride_be,
         a_ptr.dtype.element_ty, K, HAS_BIAS,
