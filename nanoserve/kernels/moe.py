@@ -378,6 +378,10 @@ class MoEConfig:
     group_m: int = 0
 
 
+def _path_of(configs: tuple[MoEConfig, MoEConfig]) -> str:
+    return "decode" if configs[0].block_m == 1 else "grouped"
+
+
 # (H, I, E, T bucket) -> (config of the first GEMM [gate_up], config of the second [down]).
 # Measured with `python benchmarks/moe.py --tune` on the GPU it names; T buckets are powers of
 # two (`_bucket`). An entry also picks its bucket's path: block_m 1 is the decode path (it wins
@@ -457,7 +461,7 @@ TUNED_MXFP4: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
 TUNED_MXFP4 |= {
     (h, i, 128, b): cfgs
     for (h, i, e, b), cfgs in TUNED_MXFP4.items()
-    if (h, i, e) == (2880, 2880, 32) and cfgs[0].block_m == 1  # the decode path (`_path_of`)
+    if (h, i, e) == (2880, 2880, 32) and _path_of(cfgs) == "decode"
 }
 
 DECODE_MAX_PAIRS = 64  # untuned buckets: T*k at most this takes the decode path
@@ -500,10 +504,6 @@ def _for_dtype(config: MoEConfig, dtype: torch.dtype) -> MoEConfig:
     if dtype.itemsize <= 2:
         return config
     return replace(config, block_k=max(16, config.block_k * 2 // dtype.itemsize))
-
-
-def _path_of(configs: tuple[MoEConfig, MoEConfig]) -> str:
-    return "decode" if configs[0].block_m == 1 else "grouped"
 
 
 def get_configs(
@@ -1145,25 +1145,34 @@ def _mx_tile(w, s, dtype: tl.constexpr, ASM: tl.constexpr):
     ASM: bf16 by `_MX_BF16_ASM`; else through `_e2m1_pair` in fp32 (any dtype, the interpreter)."""
     BN: tl.constexpr = w.shape[0]
     W: tl.constexpr = w.shape[1]
-    s = tl.reshape(tl.broadcast_to(s.to(tl.int32)[:, :, None], [BN, W // 4, 4]), [BN, W])
     if ASM:
+        s = s.to(tl.int32)
+        scale = _per_word((s << 7) | (s << 23), W)  # 2^(s - 127) as a bf16x2
         lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3 = tl.inline_asm_elementwise(
-            _MX_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, (s << 7) | (s << 23)], dtype=(tl.bfloat16,) * 8,
-            is_pure=True, pack=1,
-        )  # fmt: skip
+            _MX_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, scale], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1
+        )
     else:
-        scale = _e8m0(s)
-        lo0, hi0 = _e2m1_pair(w, 0)
-        lo1, hi1 = _e2m1_pair(w, 1)
-        lo2, hi2 = _e2m1_pair(w, 2)
-        lo3, hi3 = _e2m1_pair(w, 3)
-        lo0, hi0 = (lo0 * scale).to(dtype), (hi0 * scale).to(dtype)
-        lo1, hi1 = (lo1 * scale).to(dtype), (hi1 * scale).to(dtype)
-        lo2, hi2 = (lo2 * scale).to(dtype), (hi2 * scale).to(dtype)
-        lo3, hi3 = (lo3 * scale).to(dtype), (hi3 * scale).to(dtype)
+        scale = _per_word(_e8m0(s), W)
+        lo0, hi0 = _e2m1_scaled(w, 0, scale, dtype)
+        lo1, hi1 = _e2m1_scaled(w, 1, scale, dtype)
+        lo2, hi2 = _e2m1_scaled(w, 2, scale, dtype)
+        lo3, hi3 = _e2m1_scaled(w, 3, scale, dtype)
     lo = tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3))  # [BN, W, j, i]: pair n = 2j + i
     hi = tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3))
     return tl.reshape(tl.join(lo, hi), [BN, 8 * W])  # trailing per-thread dims merged: no data moves
+
+
+@triton.jit
+def _per_word(v, W: tl.constexpr):
+    """A group's value [BLOCK_N, W / 4] repeated for each of its four words: [BLOCK_N, W]."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None], [v.shape[0], W // 4, 4]), [v.shape[0], W])
+
+
+@triton.jit
+def _e2m1_scaled(w, N: tl.constexpr, scale, dtype: tl.constexpr):
+    """Pair N of words w (`_e2m1_pair`) times their `_e8m0` scales, in `dtype` (exact)."""
+    lo, hi = _e2m1_pair(w, N)
+    return (lo * scale).to(dtype), (hi * scale).to(dtype)
 
 
 @triton.jit
