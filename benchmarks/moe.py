@@ -4,7 +4,7 @@ reference and against a dense MLP of the same active FLOPs.
     PYTHONUNBUFFERED=1 python benchmarks/moe.py [--models qwen3-30b-a3b mixtral-8x7b mixtral-8x7b-tp2]
         [--tokens 1 2 4 8 16 64 256 1024 4096] [--tune] [--fp8 | --mxfp4]
 
-Shapes: qwen3-30b-a3b (H 2048, I 768, E 128, k 8), mixtral-8x7b (H 4096, I 14336, E 8, k 2)
+Shapes: qwen3-30b-a3b (H 2048, I 768, E 128, k 8), qwen3.5-35b-a3b (H 2048, I 512, E 256, k 8), mixtral-8x7b (H 4096, I 14336, E 8, k 2)
 and one TP=2 rank of it (I 7168), gpt-oss-20b / -120b (H 2880, I 2880, E 32 / 128, k 4; with
 their biases and clamped SwiGLU), bf16, random weights and router logits. For each token count
 T it prints, per layer:
@@ -63,6 +63,7 @@ MODELS = {
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "mixtral-8x7b": (4096, 14336, 8, 2),
     "mixtral-8x7b-tp2": (4096, 7168, 8, 2),  # one rank's expert slices at TP=2
+    "qwen3.5-35b-a3b": (2048, 512, 256, 8),
     "gpt-oss-20b": (2880, 2880, 32, 4),
     "gpt-oss-120b": (2880, 2880, 128, 4),
 }

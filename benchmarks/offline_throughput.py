@@ -4,11 +4,14 @@ Workload (exactly nano-vllm's bench.py): 256 sequences, random.seed(0); for each
 of randint(100, 1024) token ids each randint(0, 10000); then for each, max_tokens =
 randint(100, 1024); ignore_eos, temperature 0.6. Dummy weights of a bundled config.
 
-Floor: every decode step streams the weights once and every sequence's KV once, at the
-device-to-device copy bandwidth measured in this run (bytes read + written):
-    floor = (weight bytes x decode steps + KV bytes read) / copy bandwidth
+Floor: every decode step streams the weights once, every sequence's KV once and, in models
+with linear-attention layers (Qwen3.5), every sequence's recurrent and conv state, which the
+step reads and writes back; at the device-to-device copy bandwidth measured in this run (bytes
+read + written):
+    floor = (weight bytes x decode steps + KV bytes read + 2 x state bytes x output tokens) / copy bandwidth
 with decode steps = the longest max_tokens, KV bytes read = sum over sequences and their
-decode steps of the context length x KV bytes per token. Weight bytes are the parameters as
+decode steps of the context length x KV bytes per token, state bytes a request's row of
+every linear layer as stored (`LinearStatePool.bytes_per_request`: the recurrent state fp32). Weight bytes are the parameters as
 stored (--quantization fp8: one byte per linear weight plus fp32 scales). Mixture-of-experts
 models: a step of B sequences reads E * (1 - (1 - k/E)^B) distinct experts per sparse layer
 (the expected count under uniform routing), the rest of the weights in full, and step s
@@ -31,6 +34,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.compile_watch import CompileWatch
+from nanoserve.kvcache.linear_state import LinearStatePool
 from nanoserve.kvcache.pool import KVCache
 from nanoserve.models.decoder import kv_heads_per_rank
 from nanoserve.models.gpt_oss import GptOssMoE
@@ -285,7 +289,8 @@ def main() -> None:
     steps = max(max_tokens)
     kv_read = sum(sum(range(p, p + m)) for p, m in zip(map(len, prompts), max_tokens)) * kv_per_token
     step_bytes = decode_weight_bytes(engine.runner.model, max_tokens)  # MoE: the experts each step reads
-    floor = (step_bytes + kv_read) / bw
+    state_traffic = 2 * total_out * LinearStatePool.bytes_per_request(cfg.linear_state_shape, engine.dtype)
+    floor = (step_bytes + kv_read + state_traffic) / bw
     graphs = engine.runner.graphs
     print(f"device: {device_name(device)}")
     print(
@@ -304,7 +309,8 @@ def main() -> None:
     print(
         f"floor: weights {wbytes / 1e9:.3f} GB, read over {steps} steps {step_bytes / 1e12:.2f} TB"
         f"{'' if cfg.moe is None else f' (MoE: expected distinct experts per step, {step_bytes / (wbytes * steps):.1%} of all weights x steps)'}"
-        f" + KV reads {kv_read / 1e12:.2f} TB "
+        f" + KV reads {kv_read / 1e12:.2f} TB"
+        f"{f' + linear-attention state read and written {state_traffic / 1e12:.2f} TB' if state_traffic else ''} "
         f"at copy {bw / 1e12:.2f} TB/s = {floor:.2f} s -> {floor / elapsed:.1%} of the floor"
     )
     kv_tokens = (engine.allocator.num_usable) * stats["page_size"]

@@ -156,6 +156,29 @@ def test_varlen_convolution_equals_the_padded_batch():
     assert torch.equal(got_states[1], torch.cat([states[1, :, 1:], x[5:6].t()], dim=1))
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels: a GPU, or the interpreter (conftest sets it without a GPU)",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_convolution_kernel_matches_the_twin(dtype):
+    """`causal_conv_packed` (one Triton launch) against `causal_conv_varlen`: sequences longer
+    than a token block and shorter than W-1 (their new state keeps old inputs), the input a
+    view with a row stride as the projection's split hands it, channels not a whole block."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(11)
+    lengths, channels, width = [9, 1, 2, 37, 4], 13, 4
+    proj = torch.randn(sum(lengths), channels + 5, generator=gen).to(dev, dtype)
+    x = proj[:, :channels]
+    weight = torch.randn(channels, width, generator=gen).to(dev, dtype)
+    states = torch.randn(len(lengths), channels, width - 1, generator=gen).to(dev, dtype)
+    got, got_states = gated_delta.causal_conv_packed(x, weight, states, lengths)
+    want, want_states = gated_delta.causal_conv_varlen(x, weight, states, lengths)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got_states, want_states)  # copies of inputs: exact
+
+
 def fla_stand_in(calls: list):
     """fla's `chunk_gated_delta_rule` as its docstring and its reference (fla/ops/
     gated_delta_rule/naive.py) define it, for what the wrapper asks of it: varlen inputs
@@ -399,6 +422,11 @@ def test_kv_capacity_against_a_full_layout(qwen35):
     state = LinearStatePool.bytes_needed(cfg.linear_state_shape, 4, torch.float32)
     lin = cfg.linear
     assert state == 4 * 5 * (lin.conv_dim * 3 * 4 + 4 * 16 * 16 * 4)  # 4 linear layers, 4 + 1 rows
+    assert LinearStatePool.bytes_per_request(cfg.linear_state_shape, torch.float32) == state // 5
+    moe35 = resolve_model("qwen3.5-35b-a3b").config  # the offline floor's state term: 30 layers, bf16 conv
+    assert LinearStatePool.bytes_per_request(moe35.linear_state_shape, torch.bfloat16) == 30 * (
+        8192 * 3 * 2 + 32 * 128 * 128 * 4
+    )
     per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of the one full-attention layer
     tokens = (int(0.01 * 2**30) - state) // per_token
     assert llm.engine.runner.kv_cache.num_pages == tokens // 16 + 1

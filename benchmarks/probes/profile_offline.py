@@ -45,6 +45,8 @@ CATEGORIES = [
     ("decode attention reduce", r"_decode_reduce"),
     ("extend/prefill attention", r"_extend_kernel"),
     ("FA2 / flash", r"flash|fmha"),
+    ("Gated DeltaNet", r"_delta_|_conv_step|chunk_|l2norm|gated_norm|fused_recurrent|solve_tril|wy_fast"),
+    ("fused MoE", r"moe|_grouped_|_decode_(gate_up|down)|_route|_align"),
     ("store_kv", r"store_kv"),
     ("Triton linear/GEMV", r"_linear_(fma|dot)"),
     ("GEMM/cuBLAS", r"gemm|gemv|nvjet|cutlass|xmma|splitk"),

@@ -31,6 +31,11 @@ Several sequences of an extend batch come packed, one after another ([T, ...] wi
 lengths): `causal_conv_varlen` convolves them so, and `delta_rule_varlen` runs them through
 the chunked rule right-padded side by side as heads (the torch twin of
 nanoserve.kernels.gated_delta_fla, which runs them packed through fla-core's kernels on CUDA).
+
+Triton kernels beside the twins: the decode step in three launches (`decode_step`), and the
+packed convolution of an extend in one (`causal_conv_packed`, the twin `causal_conv_varlen`,
+which lays the sequences out with index copies around torch's depthwise convolution: on an
+H200 those took ~2 ms a layer at 8k tokens).
 """
 
 from __future__ import annotations
@@ -250,6 +255,84 @@ def _conv_step_kernel(
 
 
 @triton.jit
+def _conv_packed_kernel(
+    x_ptr, w_ptr, state_ptr, blocks_ptr, starts_ptr, out_ptr, new_state_ptr, C, stride_x,
+    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Tokens [j0, j0 + BLOCK_T) of sequence r (blocks [nb, 2] = (r, j0)) and channels of one
+    column block through the causal convolution and SiLU; the program holding r's last token
+    also writes its new state (its last W-1 inputs, from the old state where it is shorter)."""
+    r = tl.load(blocks_ptr + 2 * tl.program_id(0))
+    j0 = tl.load(blocks_ptr + 2 * tl.program_id(0) + 1)
+    first = tl.load(starts_ptr + r)
+    length = tl.load(starts_ptr + r + 1) - first
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = ch < C
+    j = j0 + tl.arange(0, BLOCK_T)
+    t_ok = j < length
+    state = state_ptr + r * C * (W - 1) + ch * (W - 1)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    for w in tl.static_range(W):
+        src = j - (W - 1) + w  # the input position this tap reads (negative: the old state's)
+        rows = (first + src).to(tl.int64)
+        from_x = tl.load(
+            x_ptr + rows[:, None] * stride_x + ch[None, :], mask=(t_ok & (src >= 0))[:, None] & c_ok[None, :], other=0.0
+        )
+        from_state = tl.load(
+            state[None, :] + (W - 1 + src)[:, None], mask=(t_ok & (src < 0))[:, None] & c_ok[None, :], other=0.0
+        )
+        tap = tl.load(w_ptr + ch * W + w, mask=c_ok, other=0.0).to(tl.float32)
+        acc += (from_x.to(tl.float32) + from_state.to(tl.float32)) * tap[None, :]
+    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the convolution's output
+    out_rows = (first + j).to(tl.int64)
+    tl.store(
+        out_ptr + out_rows[:, None] * C + ch[None, :],
+        (y / (1.0 + tl.exp(-y))).to(out_ptr.dtype.element_ty),
+        mask=t_ok[:, None] & c_ok[None, :],
+    )
+    if (j0 <= length - 1) & (length - 1 < j0 + BLOCK_T):
+        for i in tl.static_range(W - 1):
+            src = length - (W - 1) + i
+            if src >= 0:
+                v = tl.load(x_ptr + (first + src).to(tl.int64) * stride_x + ch, mask=c_ok, other=0.0)
+            else:
+                v = tl.load(state + W - 1 + src, mask=c_ok, other=0.0)
+            tl.store(
+                new_state_ptr + r * C * (W - 1) + ch * (W - 1) + i, v.to(new_state_ptr.dtype.element_ty), mask=c_ok
+            )
+
+
+@functools.lru_cache(maxsize=8)
+def _packed_blocks(lengths: tuple[int, ...], block_t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv_packed`'s token blocks (sequence, first position) and the sequences' first
+    rows [R + 1], for these lengths (the same tensors for every layer of a forward)."""
+    blocks = [(r, j) for r, n in enumerate(lengths) for j in range(0, n, block_t)]
+    starts = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    table = torch.tensor(blocks, dtype=torch.int32)
+    return table.to(device, non_blocking=True), starts.to(device, non_blocking=True)
+
+
+def causal_conv_packed(
+    x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, lengths: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv_varlen` in one Triton launch: x [T, C] packed (rows may be a view with a
+    row stride), `states` [R, C, W-1]; returns (SiLU(conv) [T, C], new states [R, C, W-1]).
+    Each output reads its W inputs straight from x or the old state, in fp32, rounded to x's
+    dtype before the SiLU as the twin's convolution output is (its sum may be ordered
+    differently)."""
+    channels, width = x.shape[1], weight.shape[1]
+    block_t, block_c = (4, 8) if INTERPRET else (32, 128)
+    blocks, starts = _packed_blocks(tuple(lengths), block_t, x.device)
+    out = torch.empty(x.shape[0], channels, dtype=x.dtype, device=x.device)
+    new_states = torch.empty(len(lengths), channels, width - 1, dtype=states.dtype, device=x.device)
+    _conv_packed_kernel[(blocks.shape[0], triton.cdiv(channels, block_c))](
+        x, weight, states.contiguous(), blocks, starts, out, new_states, channels, x.stride(0),
+        W=width, BLOCK_T=block_t, BLOCK_C=block_c,
+    )  # fmt: skip
+    return out, new_states
+
+
+@triton.jit
 def _delta_step_kernel(
     x_ptr, ba_ptr, a_log_ptr, dt_bias_ptr, state_ptr, rows_ptr, prefix_ptr, out_ptr,
     stride_ba, stride_row, HV, KEY_DIM, scale,
@@ -302,6 +385,11 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, stride_z, HV, eps, DV: tl.c
     tl.store(out_ptr + r * DV + rv, y.to(dtype), mask=m)
 
 
+# The delta step's tile: a value head's state columns per program and its warps.
+DELTA_BLOCK_V = 32
+DELTA_WARPS = 4
+
+
 def decode_step(
     qkv: torch.Tensor,
     z: torch.Tensor,
@@ -334,10 +422,10 @@ def decode_step(
         W=width, BLOCK=block,
     )  # fmt: skip
     o = torch.empty(batch, hv, dv, dtype=qkv.dtype, device=qkv.device)
-    bk, bv = triton.next_power_of_2(dk), min(32, triton.next_power_of_2(dv))
+    bk, bv = triton.next_power_of_2(dk), min(DELTA_BLOCK_V, triton.next_power_of_2(dv))
     _delta_step_kernel[(batch, hv, triton.cdiv(dv, bv))](
         x, ba, a_log, dt_bias, rec_states, rows, prefix_lens, o, ba.stride(0), rec_states.stride(0), hv,
-        num_k_heads * dk, dk**-0.5, DK=dk, DV=dv, REP=hv // num_k_heads, BK=bk, BV=bv, num_warps=4,
+        num_k_heads * dk, dk**-0.5, DK=dk, DV=dv, REP=hv // num_k_heads, BK=bk, BV=bv, num_warps=DELTA_WARPS,
     )  # fmt: skip
     out = torch.empty(batch, hv * dv, dtype=qkv.dtype, device=qkv.device)
     _gated_norm_kernel[(batch * hv,)](

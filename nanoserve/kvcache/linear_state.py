@@ -47,13 +47,19 @@ class LinearStatePool:
         self.recurrent = [torch.zeros(rec, dtype=torch.float32, device=device) for _ in shape.layers]
 
     @staticmethod
-    def bytes_needed(shape: StateShape | None, max_num_seqs: int, dtype: torch.dtype) -> int:
-        """Device bytes of the pool (0 without linear layers)."""
+    def bytes_per_request(shape: StateShape | None, dtype: torch.dtype) -> int:
+        """One request's row over every linear layer (0 without linear layers): what a decode
+        step reads and writes back for it."""
         if shape is None:
             return 0
         conv = shape.conv_dim * (shape.conv_kernel - 1) * torch.tensor([], dtype=dtype).element_size()
         rec = shape.num_v_heads * shape.head_k_dim * shape.head_v_dim * 4
-        return len(shape.layers) * (max_num_seqs + 1) * (conv + rec)
+        return len(shape.layers) * (conv + rec)
+
+    @staticmethod
+    def bytes_needed(shape: StateShape | None, max_num_seqs: int, dtype: torch.dtype) -> int:
+        """Device bytes of the pool (0 without linear layers)."""
+        return (max_num_seqs + 1) * LinearStatePool.bytes_per_request(shape, dtype)
 
     def copy_row(self, src: int, dst: int) -> None:
         for state in (*self.conv, *self.recurrent):

@@ -178,8 +178,13 @@ class GatedDeltaNet(_SwitchedLayer):
         fresh = torch.tensor([p == 0 for p in prefixes]).to(dev, non_blocking=True)[:, None, None]  # from zeros
         conv0 = conv_states[slot].masked_fill(fresh, 0)
         fast = self.fla_prefill(qkv)
-        if fast:
-            x, conv_states[slot] = gated_delta.causal_conv_varlen(qkv, weight, conv0, lengths)
+        if fast:  # packed: one Triton launch on CUDA, the indexed torch twin elsewhere
+            conv = (
+                gated_delta.causal_conv_packed
+                if qkv.is_cuda and self.switches.triton_ops
+                else gated_delta.causal_conv_varlen
+            )
+            x, conv_states[slot] = conv(qkv, weight, conv0, lengths)
         else:
             where, longest = gated_delta.packed_to_padded(lengths, dev)
             padded = qkv.new_zeros(len(lengths) * longest, qkv.shape[1])
