@@ -8,9 +8,10 @@ their PDL variants, which Triton's interpreter never builds. `rows16`: the 2..16
 and K/V store, `qkv_rope._split_rope_kernel`; the gated dot kernel, `linear._gated_dot_kernel`)
 at llama-3.1-8b's shapes, in their PDL variants. Prints each argument once all its kernels
 have compiled; a failure raises. `mxfp4`: gpt-oss's MXFP4 expert kernels, checked to load
-whole 16-byte groups of codes.
+whole 16-byte groups of codes. `linear`: Qwen3.5's Gated DeltaNet kernels;
+`align`: the MoE alignment kernel.
 
-    python tests/hopper_compile.py 2 4 8 decode rows16 mxfp4
+    python tests/hopper_compile.py 2 4 8 decode rows16 mxfp4 linear align
 
 Used by tests/test_tp.py and tests/test_decode_kernels.py (CPU, in CI, through
 `check_in_own_process`) and by benchmarks/tp_session.sh's `symm` stage (the GPU image's Triton)."""
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import triton
 from triton.backends.compiler import GPUTarget
 
-from nanoserve.kernels import all_reduce, attention, linear, moe, qkv_rope, rotary
+from nanoserve.kernels import all_reduce, attention, gated_delta, linear, moe, qkv_rope, rotary
 
 BF16, I64, I32, F32 = "*bf16", "*i64", "*i32", "*fp32"
 
@@ -145,6 +146,41 @@ def compile_mxfp4_kernels() -> None:
     assert whole, "the grouped gate_up kernel reads its weights in pieces"
 
 
+def compile_linear_kernels() -> None:
+    """Qwen3.5's Gated DeltaNet kernels (the decode step's three, the packed convolution of an
+    extend) at Qwen3.5-35B-A3B's head sizes: Triton's interpreter runs code that the compiler
+    refuses (a name rebound to another type in a branch compiled under the interpreter)."""
+    compile_for_hopper(
+        gated_delta._conv_packed_kernel,
+        {n: BF16 for n in ("x_ptr", "w_ptr", "state_ptr", "out_ptr", "new_state_ptr")}
+        | {"blocks_ptr": I32, "starts_ptr": I32, "C": "i32", "stride_x": "i32"},
+        {"W": 4, "BLOCK_T": 32, "BLOCK_C": 128},
+        4,
+    )
+    compile_for_hopper(
+        gated_delta._conv_step_kernel,
+        {n: BF16 for n in ("x_ptr", "w_ptr", "state_ptr", "out_ptr")}
+        | {"rows_ptr": I64, "prefix_ptr": I32, "C": "i32", "stride_x": "i32", "stride_row": "i32"},
+        {"W": 4, "BLOCK": 1024},
+        4,
+    )
+    delta = {"x_ptr": BF16, "ba_ptr": BF16, "a_log_ptr": F32, "dt_bias_ptr": F32, "state_ptr": F32}
+    delta |= {"rows_ptr": I64, "prefix_ptr": I32, "out_ptr": BF16, "scale": "fp32"}
+    delta |= {n: "i32" for n in ("stride_ba", "stride_row", "HV", "KEY_DIM")}
+    consts = {"DK": 128, "DV": 128, "REP": 2, "BK": 128, "BV": gated_delta.DELTA_BLOCK_V}
+    compile_for_hopper(gated_delta._delta_step_kernel, delta, consts, gated_delta.DELTA_WARPS)
+    norm = {"o_ptr": BF16, "z_ptr": BF16, "w_ptr": BF16, "out_ptr": BF16, "stride_z": "i32", "HV": "i32", "eps": "fp32"}
+    compile_for_hopper(gated_delta._gated_norm_kernel, norm, {"DV": 128, "BV": 128}, 1)
+
+
+def compile_align_kernel() -> None:
+    """The MoE alignment (a program per expert, and one for the rows past every group) at
+    Qwen3.5-35B-A3B's 256 experts, for 2048 pairs (a batch of 256 tokens at top-8)."""
+    args = {"ids_ptr": I32, "sorted_ptr": I32, "block_expert_ptr": I32, "num_padded_ptr": I32}
+    consts = {"E": 256, "BLOCK_M": 16, "BLOCK_P": 2048, "BLOCK_E": 512, "BLOCK_C": 1024, "BLOCK_B": 64}
+    compile_for_hopper(moe._align_kernel, args | {"pairs": "i32", "capacity": "i32"}, consts, 8)
+
+
 def check_in_own_process(*args: str) -> None:
     """Run this script on `args` in a process of its own, without Triton's interpreter (the
     caller's process may run it), and assert that every argument compiled."""
@@ -162,6 +198,10 @@ if __name__ == "__main__":
             compile_rows16_kernels()
         elif arg == "mxfp4":
             compile_mxfp4_kernels()
+        elif arg == "linear":
+            compile_linear_kernels()
+        elif arg == "align":
+            compile_align_kernel()
         else:
             compile_tp_kernels(int(arg))
         print(arg, flush=True)

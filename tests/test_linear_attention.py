@@ -179,6 +179,16 @@ def test_packed_convolution_kernel_matches_the_twin(dtype):
     assert torch.equal(got_states, want_states)  # copies of inputs: exact
 
 
+def test_linear_kernels_compile_for_hopper():
+    """The Gated DeltaNet kernels built for sm_90 on the host (tests/hopper_compile.py, in a
+    process of its own: this one may run the interpreter, which ran the packed convolution's
+    first version that the compiler refused)."""
+    pytest.importorskip("triton.backends.nvidia")
+    from hopper_compile import check_in_own_process
+
+    check_in_own_process("linear")
+
+
 def fla_stand_in(calls: list):
     """fla's `chunk_gated_delta_rule` as its docstring and its reference (fla/ops/
     gated_delta_rule/naive.py) define it, for what the wrapper asks of it: varlen inputs

@@ -142,7 +142,7 @@ def test_align_groups_every_pair_once(T, k, E, block_m):
 @pytest.mark.parametrize("skew", [0.0, 2.0])
 @pytest.mark.parametrize(("T", "k", "E", "block_m"), ALIGN_CASES)
 def test_interp_align_kernel_equals_twin(T, k, E, block_m, skew):
-    """The one-program align kernel returns the twin's alignment exactly (also with most
+    """The align kernel (a program per expert) returns the twin's alignment exactly (also with most
     experts empty)."""
     logits = torch.randn(T, E) - skew * torch.arange(E)
     ids = moe.route_reference(logits, k, True)[1]
@@ -646,6 +646,15 @@ def test_fused_moe_refuses_bad_mxfp4():
     with pytest.raises(ValueError, match="powers? of two"):
         cfg = moe.MoEConfig(1, 16, 48, 1, 1)
         moe.fused_moe_partials(hidden, w13, w2, weights, ids, configs=(cfg, cfg), path="decode", scales=scales)
+
+
+def test_align_kernel_compiles_for_hopper():
+    """The align kernel built for sm_90 on the host (tests/hopper_compile.py, in a process of
+    its own): the interpreter runs branches the compiler may refuse."""
+    pytest.importorskip("triton.backends.nvidia")
+    from hopper_compile import check_in_own_process
+
+    check_in_own_process("align")
 
 
 def test_mxfp4_kernels_load_whole_groups_for_hopper():

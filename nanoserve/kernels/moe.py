@@ -575,43 +575,47 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> A
     return Alignment(sorted_pairs, block_expert, padded_end[-1:].to(torch.int32), block_m)
 
 
-ALIGN_KERNEL_MAX_PAIRS = 4096  # pairs one program of `_align_kernel` sorts; more: align_reference
+ALIGN_KERNEL_MAX_PAIRS = 4096  # pairs each program of `_align_kernel` holds; more: align_reference
 
 
 @triton.jit
 def _align_kernel(
-    ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, scratch_ptr, pairs, capacity,
+    ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, pairs, capacity,
     E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
-    """One program: `align_reference`'s result for up to BLOCK_P pairs. The pairs are sorted
-    by (expert, index) (stable, as argsort), the i-th in that order goes to row
-    padded_start[e] + (i - count_start[e]) of its expert e; scratch [2 * BLOCK_E] hands the
-    per-expert shifts and group ends from the expert lanes to the pair lanes."""
+    """`align_reference`'s result for up to BLOCK_P pairs in E + 1 programs. Each counts the
+    pairs per expert (all of them: the counts give every group's padded start). Program e < E
+    writes expert e's group: its pairs in index order (the i-th at padded_start[e] + i, as the
+    twin's stable argsort puts them), the group's padding rows and its blocks' expert; program E
+    the rows past every group (padding, blocks of expert E) and num_padded."""
+    me = tl.program_id(0)
     offs = tl.arange(0, BLOCK_P)
-    e = tl.load(ids_ptr + offs, mask=offs < pairs, other=E)  # padding lanes sort after every expert
+    e = tl.load(ids_ptr + offs, mask=offs < pairs, other=E)  # padding lanes count as expert E
     experts = tl.arange(0, BLOCK_E)
     counts = tl.where(experts < E, tl.histogram(e, BLOCK_E), 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, 0)
-    shift = (padded_end - padded) - (tl.cumsum(counts, 0) - counts)  # padded start - count start
-    tl.store(scratch_ptr + experts, shift)
-    tl.store(scratch_ptr + BLOCK_E + experts, padded_end)
-    tl.store(num_padded_ptr, tl.sum(padded, 0))
-    for c0 in range(0, capacity, BLOCK_C):  # every row padding until a pair lands on it
-        rows = c0 + tl.arange(0, BLOCK_C)
-        tl.store(sorted_ptr + rows, pairs + tl.zeros([BLOCK_C], tl.int32), mask=rows < capacity)
-    tl.debug_barrier()  # the stores above are seen by every thread of the program below
-    key = tl.sort(e * BLOCK_P + offs)
-    sorted_e = key // BLOCK_P
-    real = sorted_e < E
-    dest = offs + tl.load(scratch_ptr + sorted_e, mask=real, other=0)
-    tl.store(sorted_ptr + dest, key % BLOCK_P, mask=real)
-    ends = tl.load(scratch_ptr + BLOCK_E + experts)
-    for b0 in range(0, capacity // BLOCK_M, BLOCK_B):  # a block's expert: the groups ending at or before it
-        blocks = b0 + tl.arange(0, BLOCK_B)
-        done = (ends[None, :] <= (blocks * BLOCK_M)[:, None]) & (experts[None, :] < E)
-        tl.store(block_expert_ptr + blocks, tl.sum(done.to(tl.int32), axis=1), mask=blocks < capacity // BLOCK_M)
+    if me == E:
+        used = tl.sum(padded, 0)
+        tl.store(num_padded_ptr, used)
+        for c0 in range(used, capacity, BLOCK_C):
+            rows = c0 + tl.arange(0, BLOCK_C)
+            tl.store(sorted_ptr + rows, pairs + tl.zeros([BLOCK_C], tl.int32), mask=rows < capacity)
+        for b0 in range(used // BLOCK_M, capacity // BLOCK_M, BLOCK_B):
+            blocks = b0 + tl.arange(0, BLOCK_B)
+            tl.store(block_expert_ptr + blocks, E + tl.zeros([BLOCK_B], tl.int32), mask=blocks < capacity // BLOCK_M)
+    else:
+        start = tl.sum(tl.where(experts < me, padded, 0), 0)
+        count = tl.sum(tl.where(experts == me, counts, 0), 0)
+        end = start + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        mine = e == me
+        rank = tl.cumsum(mine.to(tl.int32), 0) - 1
+        tl.store(sorted_ptr + start + rank, offs, mask=mine)
+        pad = start + count + tl.arange(0, BLOCK_M)
+        tl.store(sorted_ptr + pad, pairs + tl.zeros([BLOCK_M], tl.int32), mask=pad < end)
+        for b0 in range(start // BLOCK_M, end // BLOCK_M, BLOCK_B):
+            blocks = b0 + tl.arange(0, BLOCK_B)
+            tl.store(block_expert_ptr + blocks, me + tl.zeros([BLOCK_B], tl.int32), mask=blocks < end // BLOCK_M)
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
@@ -627,13 +631,11 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    block_e = triton.next_power_of_2(num_experts + 1)  # lane E holds the padding lanes' count
-    scratch = torch.empty(2 * block_e, dtype=torch.int32, device=device)
     block_p = triton.next_power_of_2(pairs)
-    _align_kernel[(1,)](
-        topk_ids.to(torch.int32).contiguous(), sorted_pairs, block_expert, num_padded, scratch, pairs, capacity,
-        E=num_experts, BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e, BLOCK_C=1024,
-        BLOCK_B=max(16, 4096 // block_e), num_warps=4 if block_p <= 1024 else 8,
+    _align_kernel[(num_experts + 1,)](
+        topk_ids.to(torch.int32).contiguous(), sorted_pairs, block_expert, num_padded, pairs, capacity,
+        E=num_experts, BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=triton.next_power_of_2(num_experts + 1),
+        BLOCK_C=1024, BLOCK_B=64, num_warps=4 if block_p <= 1024 else 8,
     )  # fmt: skip
     return Alignment(sorted_pairs, block_expert, num_padded, block_m)
 
