@@ -167,8 +167,9 @@ def compile_linear_kernels() -> None:
     delta = {"x_ptr": BF16, "ba_ptr": BF16, "a_log_ptr": F32, "dt_bias_ptr": F32, "state_ptr": F32}
     delta |= {"rows_ptr": I64, "prefix_ptr": I32, "out_ptr": BF16, "scale": "fp32"}
     delta |= {n: "i32" for n in ("stride_ba", "stride_row", "HV", "KEY_DIM")}
-    consts = {"DK": 128, "DV": 128, "REP": 2, "BK": 128, "BV": gated_delta.DELTA_BLOCK_V}
-    compile_for_hopper(gated_delta._delta_step_kernel, delta, consts, gated_delta.DELTA_WARPS)
+    for bv in (gated_delta.DELTA_BLOCK_V, gated_delta.DELTA_BLOCK_V_ONE_ROW):
+        consts = {"DK": 128, "DV": 128, "REP": 2, "BK": 128, "BV": bv}
+        compile_for_hopper(gated_delta._delta_step_kernel, delta, consts, gated_delta.DELTA_WARPS)
     norm = {"o_ptr": BF16, "z_ptr": BF16, "w_ptr": BF16, "out_ptr": BF16, "stride_z": "i32", "HV": "i32", "eps": "fp32"}
     compile_for_hopper(gated_delta._gated_norm_kernel, norm, {"DV": 128, "BV": 128}, 1)
 

@@ -288,23 +288,25 @@ def test_engine_fast_prefill_path_through_the_stand_in(qwen35, monkeypatch, engi
     reason="Triton kernels: a GPU, or the interpreter (conftest sets it without a GPU)",
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernels_match_the_torch_step(dtype):
+@pytest.mark.parametrize(("batch", "dv"), [(3, 8), (1, 32)])
+def test_decode_kernels_match_the_torch_step(dtype, batch, dv):
     """`decode_step` (three Triton launches) against the torch step on the same pools: three
     sequences at scattered rows, one starting at position 0 over a row of garbage (NaN), the
-    inputs as views of one projection; a value head dim below the kernel's block (masks)."""
+    inputs as views of one projection; a value head dim below the kernel's block (masks); one
+    sequence alone (its narrower tile: several column blocks a head)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(7)
-    hk, hv, dk, dv, width = 2, 4, 16, 8, 4
+    hk, hv, dk, width = 2, 4, 16, 4
     channels, vdim = 2 * hk * dk + hv * dv, hv * dv
-    proj = torch.randn(3, channels + vdim + 2 * hv, generator=gen).to(dev, dtype)
+    proj = torch.randn(batch, channels + vdim + 2 * hv, generator=gen).to(dev, dtype)
     qkv, z, ba = proj.split([channels, vdim, 2 * hv], dim=-1)
     weight = (torch.randn(channels, width, generator=gen) * 0.5).to(dev, dtype)
     a_log, dt_bias = torch.randn(hv, generator=gen).to(dev), torch.randn(hv, generator=gen).to(dev)
     norm_w = (1 + 0.1 * torch.randn(dv, generator=gen)).to(dev, dtype)
     conv = torch.randn(5, channels, width - 1, generator=gen).to(dev, dtype)
     rec = torch.randn(5, hv, dk, dv, generator=gen).to(dev) * 0.3
-    rows = torch.tensor([2, 0, 3], device=dev)
-    prefix = torch.tensor([5, 0, 7], dtype=torch.int32, device=dev)
+    rows = torch.tensor([2, 0, 3][:batch], device=dev)
+    prefix = torch.tensor([5, 0, 7][:batch], dtype=torch.int32, device=dev)
     conv[0], rec[0] = float("nan"), float("nan")  # a new request's row holds anything
     conv_ref, rec_ref = conv.clone(), rec.clone()
     out = gated_delta.decode_step(qkv, z, ba, weight, a_log, dt_bias, norm_w, 1e-6, conv, rec, rows, prefix, hk, dk)
@@ -316,8 +318,10 @@ def test_decode_kernels_match_the_torch_step(dtype):
     b, a = ba.split(hv, dim=-1)
     g = -a_log.exp() * F.softplus(a.float() + dt_bias)
     r = rec_ref[rows].masked_fill(fresh[..., None], 0)
-    o = gated_delta.delta_rule_step(q.view(3, hk, dk), k.view(3, hk, dk), v.view(3, hv, dv), g, b.float().sigmoid(), r)
-    want = gated_delta.gated_rms_norm(o.to(dtype).view(-1, dv), z.reshape(-1, dv), norm_w, 1e-6).view(3, vdim)
+    o = gated_delta.delta_rule_step(
+        q.view(batch, hk, dk), k.view(batch, hk, dk), v.view(batch, hv, dv), g, b.float().sigmoid(), r
+    )
+    want = gated_delta.gated_rms_norm(o.to(dtype).view(-1, dv), z.reshape(-1, dv), norm_w, 1e-6).view(batch, vdim)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.05}
     torch.testing.assert_close(out, want, **tol)
     torch.testing.assert_close(conv[rows], c, **tol)

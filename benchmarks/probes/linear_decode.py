@@ -59,9 +59,11 @@ def delta(batch: int, layers: int) -> None:
     rows = torch.arange(batch, device=dev)
     prefix = torch.full((batch,), 5, dtype=torch.int32, device=dev)
     moved = 2 * batch * HV * DK * DV * 4
+    saved = gated_delta.DELTA_BLOCK_V, gated_delta.DELTA_BLOCK_V_ONE_ROW, gated_delta.DELTA_WARPS
     for bv in (16, 32, 64, 128):
         for warps in (2, 4, 8):
-            gated_delta.DELTA_BLOCK_V, gated_delta.DELTA_WARPS = bv, warps
+            gated_delta.DELTA_BLOCK_V = gated_delta.DELTA_BLOCK_V_ONE_ROW = bv
+            gated_delta.DELTA_WARPS = warps
 
             def step():
                 for conv, rec in pools:
@@ -72,7 +74,7 @@ def delta(batch: int, layers: int) -> None:
             us = graph_us(step) / layers
             print(f"delta step B={batch} BV={bv} warps={warps}: {us:.1f} us a layer (3 launches), "
                   f"{moved / us / 1e6:.2f} TB/s on the state", flush=True)  # fmt: skip
-    gated_delta.DELTA_BLOCK_V, gated_delta.DELTA_WARPS = 32, 4
+    gated_delta.DELTA_BLOCK_V, gated_delta.DELTA_BLOCK_V_ONE_ROW, gated_delta.DELTA_WARPS = saved
 
 
 def align(batch: int) -> None:

@@ -385,10 +385,13 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, stride_z, HV, eps, DV: tl.c
     tl.store(out_ptr + r * DV + rv, y.to(dtype), mask=m)
 
 
-# The delta step's tile: a value head's state columns per program and its warps. 64 x 4: one
-# layer's step (three launches) at batch 256 319 us against 364 with 32 columns (3.36 TB/s on
-# the fp32 state read and written; H200, benchmarks/probes/linear_decode.py).
+# The delta step's tile: a value head's state columns per program and its warps, measured on an
+# H200 (one layer's step, three launches, at Qwen3.5-35B-A3B's heads; benchmarks/probes/
+# linear_decode.py): 64 x 4 at batch 256 317-319 us against 364-366 with 32 columns (3.36 TB/s
+# on the fp32 state read and written), also ahead at 8, 32 and 64; a lone sequence gets more
+# programs from 16 columns (8.2 us against 9.4 at 32 and 9.9 at 64).
 DELTA_BLOCK_V = 64
+DELTA_BLOCK_V_ONE_ROW = 16
 DELTA_WARPS = 4
 
 
@@ -424,7 +427,8 @@ def decode_step(
         W=width, BLOCK=block,
     )  # fmt: skip
     o = torch.empty(batch, hv, dv, dtype=qkv.dtype, device=qkv.device)
-    bk, bv = triton.next_power_of_2(dk), min(DELTA_BLOCK_V, triton.next_power_of_2(dv))
+    block_v = DELTA_BLOCK_V_ONE_ROW if batch == 1 else DELTA_BLOCK_V
+    bk, bv = triton.next_power_of_2(dk), min(block_v, triton.next_power_of_2(dv))
     _delta_step_kernel[(batch, hv, triton.cdiv(dv, bv))](
         x, ba, a_log, dt_bias, rec_states, rows, prefix_lens, o, ba.stride(0), rec_states.stride(0), hv,
         num_k_heads * dk, dk**-0.5, DK=dk, DV=dv, REP=hv // num_k_heads, BK=bk, BV=bv, num_warps=DELTA_WARPS,
