@@ -146,7 +146,7 @@ def test_interp_align_kernel_equals_twin(T, k, E, block_m, skew):
     experts empty)."""
     logits = torch.randn(T, E) - skew * torch.arange(E)
     ids = moe.route_reference(logits, k, True)[1]
-    al, twin = moe.align(ids, E, block_m, kernel=True), moe.align_reference(ids, E, block_m)
+    al, twin = moe.align(ids, E, block_m, interpreted=True), moe.align_reference(ids, E, block_m)
     assert T * k <= moe.ALIGN_KERNEL_MAX_PAIRS
     assert torch.equal(al.sorted_pairs, twin.sorted_pairs)
     assert torch.equal(al.block_expert, twin.block_expert)
