@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanoserve.models.gguf_file import GGUFFile
 from nanoserve.models.model_config import ModelConfig
 
 BUNDLED_DIR = Path(__file__).parent / "configs"
@@ -93,15 +94,10 @@ _GGUF_FIELDS = {
 }
 
 
-def gguf_metadata(path: Path) -> tuple[dict, object]:
-    """(HF-style config dict, the open GGUFReader) for a GGUF file."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-
-    def field(key):
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
+def gguf_metadata(path: Path) -> tuple[dict, GGUFFile]:
+    """(HF-style config dict, the open GGUF file) for a GGUF file."""
+    reader = GGUFFile(path)
+    field = reader.fields.get
 
     arch = field("general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
@@ -114,7 +110,8 @@ def gguf_metadata(path: Path) -> tuple[dict, object]:
     tensor_names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in tensor_names:
         raise ValueError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported; use the HF directory")
-    cfg.setdefault("vocab_size", len(field("tokenizer.ggml.tokens") or []))
+    tokens = field("tokenizer.ggml.tokens")
+    cfg.setdefault("vocab_size", tokens.length if tokens is not None else 0)
     cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
     cfg["bos_token_id"] = field("tokenizer.ggml.bos_token_id")
     cfg["eos_token_id"] = field("tokenizer.ggml.eos_token_id")
