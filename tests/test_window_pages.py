@@ -57,6 +57,18 @@ def test_greedy_matches_transformers_with_pages_given_back(windowed_models, arch
     finish(llm)
 
 
+def test_a_prefill_chunk_longer_than_any_request(windowed_models):
+    """A request's window groups hold at most a window and one prefill chunk, and no chunk is
+    longer than max_model_len: with the default 8,192-token chunk a 1,000-token cache serves
+    128-token requests (counting the whole chunk in each group, the capacity came out 0)."""
+    path, reference = windowed_models["gemma3"]
+    llm = LLM(str(path), **{**ENGINE, "chunked_prefill_size": 8192, "kv_cache_tokens": 1000, "max_model_len": 128})
+    assert llm.engine.max_model_len == 128
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    finish(llm)
+
+
 @pytest.mark.parametrize("arch", WINDOWED)
 def test_one_at_a_time_and_prefill_first(windowed_models, arch):
     """Each request alone (decode windows sliding page by page) and the prefill-first policy

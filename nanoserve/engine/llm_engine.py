@@ -124,7 +124,10 @@ class LLMEngine:
         plan = agree_kv_plan(plan, tp)
         self.runner = wrap_runner(ModelRunner(config, model, plan, self.device, self.kv_dtype, layout), tp)
         self.pooling = LastTokenPooling(model) if config.task == "embed" else None  # embedding model
-        capacity, self.kv_tokens_full_layout = kv_capacity(cfg, plan, layout, config.chunked_prefill_size)
+        # no prefill chunk is longer than a request: window groups hold at most a window and that
+        capacity, self.kv_tokens_full_layout = kv_capacity(
+            cfg, plan, layout, min(config.chunked_prefill_size, wanted_len)
+        )
         self.max_model_len = min(wanted_len, capacity)
         self.model_config = cfg
         self.allocator = PageAllocator(plan.num_pages)
