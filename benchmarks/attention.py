@@ -15,7 +15,8 @@ Extend times are do_bench medians (warm-up, L2 flushed before every call).
 Prints a markdown table at the end and writes it to $OUT/attention.md when OUT is set.
 `--sweep` first times decode split counts. `--ragged` times only the decode batches of the
 offline workload (ragged context lengths, qwen3-0.6b's 16 query heads by default) under
-several launch configs (sums over its steps 0, 100, ..., 1000).
+several launch configs (sums over its steps 0, 100, ..., 1000). `--wide` times head_dim 256
+(gemma-3-12b's 16k-context decode, full and sliding layers) over launch configs and splits.
 
 On one H200 (benchmarks/results/2026-11-21.md): paged decode at 97-107% of the measured copy bandwidth
 (batch 64-256 x context 1k-8k, Llama-3.1-8B heads); extend 4 x 2048 at 374 TFLOP/s, 1.36x
@@ -102,22 +103,29 @@ def decode_case(lens: list[int], gen: torch.Generator, hq: int = HQ):
 
 
 def time_decode(
-    lens: list[int], gen: torch.Generator, num_splits: int | None = None, hq: int = HQ
+    lens: list[int],
+    gen: torch.Generator,
+    num_splits: int | None = None,
+    hq: int = HQ,
+    window: int = 0,
+    graph_len: int = 4096,
 ) -> tuple[float, float, int]:
     """(graph ms, eager do_bench ms, splits). The graph rotates over enough KV copies that
-    together they exceed 4x the L2, so each call reads its KV from memory."""
+    together they exceed 4x the L2, so each call reads its KV from memory. `window` > 0: a
+    sliding-window layer's decode (only the last `window` positions are read)."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    copies = min(8, max(1, -(-4 * l2 // decode_bytes(lens))))
+    copies = min(8, max(1, -(-4 * l2 // decode_bytes(lens, window))))
     cases = [decode_case(lens, gen, hq) for _ in range(copies)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # as the engine's decode graphs choose it (their max_seq_len: the benchmark's max_model_len)
-    splits = num_splits or tk.choose_num_splits(len(lens), HKV, 4096, sms, 32)
+    # as the engine's decode graphs choose it (their max_seq_len: the engine's max_model_len)
+    read = min(graph_len, window) if window else graph_len
+    splits = num_splits or tk.choose_num_splits(len(lens), HKV, read, sms, 32)
     ws = torch.empty(tk.workspace_numel(len(lens), hq, D, splits), device=DEV, dtype=torch.float32)
     out = torch.empty_like(cases[0][0])
 
     def call(case):
         q, kc, vc, pt, sl = case
-        return lambda: tk.paged_decode(q, kc, vc, pt, sl, D**-0.5, splits, ws, out)
+        return lambda: tk.paged_decode(q, kc, vc, pt, sl, D**-0.5, splits, ws, out, window=window)
 
     calls = [call(c) for c in cases] * max(1, 8 // copies)
     g_ms = graph_ms(calls)
@@ -126,8 +134,8 @@ def time_decode(
     return g_ms, e_ms, splits
 
 
-def decode_bytes(lens: list[int]) -> int:
-    return sum(lens) * HKV * D * 2 * KV_DT.itemsize
+def decode_bytes(lens: list[int], window: int = 0) -> int:
+    return sum(min(n, window) if window else n for n in lens) * HKV * D * 2 * KV_DT.itemsize
 
 
 def extend_case(num_reqs: int, prefix: int, new: int, gen: torch.Generator):
@@ -188,6 +196,35 @@ def sweep(gen, ceiling: float) -> None:
         torch.cuda.empty_cache()
 
 
+def wide_sweep(gen, ceiling: float, configs: list[tuple[int, int, int]], batch: int, context: int) -> None:
+    """head_dim 256 (gemma-3-12b: 16 query heads over 8 kv heads) at `batch` x `context`: a
+    full layer and a 1,024-token sliding one, for launch configs (BLOCK_N before the kernel
+    halves it for 512-byte rows, warps, stages) and split counts (0: the engine's choice)."""
+    global HQ, D
+    HQ, D = 16, 256
+    wide = (tk.WIDE_DECODE_CONFIG, tk.WIDE_WINDOW_DECODE_CONFIG)
+    base = [dict(c) for c in wide]
+    for block_n, warps, stages in configs:
+        for c in wide:  # the config under test for both kinds of layer
+            c.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        for window in (0, 1024):
+            res = []
+            for splits in (0, 4, 8, 12, 16, 24, 32):
+                try:
+                    ms, _, used = time_decode([context] * batch, gen, splits or None, HQ, window, context + 512)
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is reported
+                    res.append(f"s{splits}: {type(exc).__name__}")
+                    break
+                pct = decode_bytes([context] * batch, window) / ms / 1e9 / ceiling * 100
+                res.append(f"s{used}{'*' if not splits else ''}:{ms * 1e3:.1f}us/{pct:.0f}%")
+                torch.cuda.empty_cache()
+            print(
+                f"wide d256 b{batch} c{context} w{window} cfg {block_n},{warps},{stages}: " + " ".join(res), flush=True
+            )
+    for c, b in zip(wide, base):
+        c.update(b)
+
+
 def workload_batches(every: int = 100) -> list[list[int]]:
     """Decode batches of the offline workload (benchmarks/offline_throughput.py: 256 requests,
     prompts and outputs of 100..1024 tokens) every `every` steps: the context lengths of the
@@ -244,6 +281,9 @@ def main() -> None:
     parser.add_argument(
         "--configs", nargs="*", default=None, help="--ragged: BLOCK_N,warps,stages triples to time (default: a set)"
     )
+    parser.add_argument(
+        "--wide", action="store_true", help="only the head_dim-256 sweep (gemma-3-12b, 8 x 16k; --configs as --ragged)"
+    )
     args = parser.parse_args()
     global KV_DT
     KV_DT = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
@@ -255,6 +295,11 @@ def main() -> None:
     if args.ragged:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] if args.configs else None
         ragged_sweep(gen, ceiling, args.hq, configs)
+        return
+    if args.wide:
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] if args.configs else None
+        configs = configs or [(64, 4, 3), (64, 8, 2), (64, 4, 2), (64, 8, 3), (32, 4, 3), (128, 8, 2), (64, 4, 4)]
+        wide_sweep(gen, ceiling, configs, 8, 16389)
         return
     if args.sweep:
         sweep(gen, ceiling)

@@ -93,8 +93,15 @@ def graph_run_count(rows: int, max_rows: int) -> int:
 # tiny shapes cross several blocks (pages, splits, causal tiles) so that the logic is exercised.
 
 # Launch configurations, keyed by head_dim bucket; benchmarks may override entries to sweep.
-# Tuned on an H200 for head_dim 128 (decode and extend); the 64 and 256 entries are untuned.
+# Tuned on an H200 for head_dim 128 (decode and extend); the 64 and 256 extend entries are untuned.
 DECODE_CONFIG: dict[str, int] = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+# Decode rows wider than 256 bytes (head_dim 256 in 16 bits: BLOCK_N is halved for them,
+# `_decode_block_n`), for a full layer and for a sliding-window one. H200, gemma-3-12b's 16k
+# decode at batch 8 (`benchmarks/attention.py --wide`, 8 splits): a full layer 298 -> 255 us
+# (85% -> 99% of the copy bandwidth) with a fourth stage; a 1,024-token window 28.0 -> 23.3 us
+# with 16-token blocks (its 128 positions a split run 8 blocks deep instead of 4).
+WIDE_DECODE_CONFIG: dict[str, int] = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
+WIDE_WINDOW_DECODE_CONFIG: dict[str, int] = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
 EXTEND_CONFIG: dict[int, dict[str, int]] = {
     64: {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     128: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
@@ -671,6 +678,13 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+def decode_config(head_dim: int, cache: torch.Tensor, window: int) -> dict[str, int]:
+    """The decode launch config for `head_dim` over `cache`'s dtype, in a layer with `window`."""
+    if head_dim * cache.element_size() <= 256:
+        return DECODE_CONFIG
+    return WIDE_WINDOW_DECODE_CONFIG if window > 0 else WIDE_DECODE_CONFIG
+
+
 def _decode_block_n(cfg: dict[str, int], head_dim: int, x: torch.Tensor) -> int:
     """Tokens per K/V block: halved when a row is wider than 256 bytes (head_dim 256 in
     16-bit, 128 in fp32) so that the pipelined tiles fit in shared memory; doubled for an fp8
@@ -733,8 +747,8 @@ def paged_decode(
     has_sinks = sinks is not None
     if has_sinks:
         assert sinks.shape == (num_q_heads,) and sinks.is_contiguous()
-    cfg = INTERPRET_DECODE_CONFIG if INTERPRET else DECODE_CONFIG
     block_d = triton.next_power_of_2(head_dim)
+    cfg = INTERPRET_DECODE_CONFIG if INTERPRET else decode_config(block_d, k_cache, window)
     block_n = _decode_block_n(cfg, block_d, k_cache)
     direct = num_splits == 1 and cascade is None
     num_cols = num_splits + (MAX_CASCADE_PARTS if cascade is not None else 0)
