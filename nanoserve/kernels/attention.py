@@ -99,9 +99,13 @@ DECODE_CONFIG: dict[str, int] = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # `_decode_block_n`), for a full layer and for a sliding-window one. H200, gemma-3-12b's 16k
 # decode at batch 8 (`benchmarks/attention.py --wide`, 8 splits): a full layer 298 -> 255 us
 # (85% -> 99% of the copy bandwidth) with a fourth stage; a 1,024-token window 28.0 -> 23.3 us
-# with 16-token blocks (its 128 positions a split run 8 blocks deep instead of 4).
+# with 16-token blocks (its 128 positions a split run 8 blocks deep instead of 4). Only where
+# the requests fill the GPU (at most WIDE_MAX_SPLITS splits): a batch-1 step (32 splits of
+# short contexts) keeps DECODE_CONFIG, with which gemma-3-12b's TPOT was measured at 6.433 ms
+# (3961f73); with these configs it took 6.515 (another host, not compared on one).
 WIDE_DECODE_CONFIG: dict[str, int] = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
 WIDE_WINDOW_DECODE_CONFIG: dict[str, int] = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+WIDE_MAX_SPLITS = 8
 EXTEND_CONFIG: dict[int, dict[str, int]] = {
     64: {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     128: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
@@ -678,9 +682,10 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def decode_config(head_dim: int, cache: torch.Tensor, window: int) -> dict[str, int]:
-    """The decode launch config for `head_dim` over `cache`'s dtype, in a layer with `window`."""
-    if head_dim * cache.element_size() <= 256:
+def decode_config(head_dim: int, cache: torch.Tensor, window: int, num_splits: int) -> dict[str, int]:
+    """The decode launch config for `head_dim` over `cache`'s dtype, in a layer with `window`,
+    at `num_splits` splits a request."""
+    if head_dim * cache.element_size() <= 256 or num_splits > WIDE_MAX_SPLITS:
         return DECODE_CONFIG
     return WIDE_WINDOW_DECODE_CONFIG if window > 0 else WIDE_DECODE_CONFIG
 
@@ -748,7 +753,7 @@ def paged_decode(
     if has_sinks:
         assert sinks.shape == (num_q_heads,) and sinks.is_contiguous()
     block_d = triton.next_power_of_2(head_dim)
-    cfg = INTERPRET_DECODE_CONFIG if INTERPRET else decode_config(block_d, k_cache, window)
+    cfg = INTERPRET_DECODE_CONFIG if INTERPRET else decode_config(block_d, k_cache, window, num_splits)
     block_n = _decode_block_n(cfg, block_d, k_cache)
     direct = num_splits == 1 and cascade is None
     num_cols = num_splits + (MAX_CASCADE_PARTS if cascade is not None else 0)
