@@ -317,14 +317,19 @@ def shared_prefix_run(model_dir, backend: str, graphs_bs: int = 0, **engine_args
 
 @interp
 @pytest.mark.slow
-def test_interp_engine_cascade_matches_plain(tmp_path):
+def test_interp_engine_cascade_matches_plain(tmp_path, monkeypatch):
     """End to end on the CPU (Triton interpreter): requests decoding over a shared cached
     prefix take the cascade path, eagerly and through (emulated) decode graphs padded from
     9 to 16 rows, and their greedy tokens equal the torch backend's (which the plain Triton
     decode equals, tests/test_triton_attention.py)."""
     from nanoserve import LLM
+    from nanoserve.kernels import attention as tk
     from tests.tiny import make_tiny_model
 
+    # the prefill's extend kernel in 64-token tiles: a 272-token prompt in 16-token ones was a
+    # fifth of this test's time under the interpreter (tests/test_triton_attention.py crosses
+    # tiles on small shapes)
+    monkeypatch.setattr(tk, "INTERPRET_EXTEND_CONFIG", {**tk.INTERPRET_EXTEND_CONFIG, "BLOCK_M": 64, "BLOCK_N": 64})
     path = make_tiny_model(tmp_path / "qwen3", "qwen3")
     args = {"page_size": 16, "dtype": "float32"}
     want, _ = shared_prefix_run(path, "torch", **args)

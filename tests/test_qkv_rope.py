@@ -195,7 +195,7 @@ def test_interp_decoder_rotates_in_the_qkv_gemv_at_one_row(tmp_path, monkeypatch
     monkeypatch.setattr(
         layers.ColumnParallelLinear,
         "small_m_config",
-        lambda self, x: LinearConfig("fma", 1, 4, 32) if x.shape[0] == 1 else None,
+        lambda self, x: LinearConfig("fma", 1, 8, 64) if x.shape[0] == 1 else None,  # 2 tiles a half head
     )
     monkeypatch.setattr(qkv_rope, "qkv_rope_gemv", spy)
     assert generate() == plain

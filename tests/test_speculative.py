@@ -214,9 +214,10 @@ def test_verify_runs_through_the_triton_decode_kernel_losslessly(models, referen
     runner = llm.engine.runner
     assert runner.max_run_rows == 5
     emulate_graphs(llm, 16)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    # the reference's first 12 tokens (greedy: a prefix of its 24), the interpreter is slow
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     outs = llm.generate(_prompts(), params, use_tqdm=False)
-    assert _tokens(outs) == _tokens(reference)
+    assert _tokens(outs) == [t[:12] for t in _tokens(reference)]
     for got, want in zip(outs, reference):
         for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
