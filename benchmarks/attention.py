@@ -204,7 +204,7 @@ def wide_sweep(gen, ceiling: float, configs: list[tuple[int, int, int]], batch: 
     HQ, D = 16, 256
     wide = (tk.WIDE_DECODE_CONFIG, tk.WIDE_WINDOW_DECODE_CONFIG)
     base = [dict(c) for c in wide]
-    tk.WIDE_MAX_SPLITS = 32  # the configs under test at every split count swept
+    max_splits, tk.WIDE_MAX_SPLITS = tk.WIDE_MAX_SPLITS, 32  # the configs under test at every split count swept
     for block_n, warps, stages in configs:
         for c in wide:  # the config under test for both kinds of layer
             c.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
@@ -224,6 +224,7 @@ def wide_sweep(gen, ceiling: float, configs: list[tuple[int, int, int]], batch: 
             )
     for c, b in zip(wide, base):
         c.update(b)
+    tk.WIDE_MAX_SPLITS = max_splits
 
 
 def workload_batches(every: int = 100) -> list[list[int]]:

@@ -93,6 +93,7 @@ def compile_decode_kernels() -> None:
         (True, False, True),
     ):
         consts = {**shape, "BLOCK_H": 32 if runs else 16, "DIRECT": direct, "HAS_START": start, "RUNS": runs}
+        consts["SKIP_EMPTY"] = runs and not direct  # as paged_decode launches it
         compile_for_hopper(attention._decode_split_kernel, split, {**consts, "DOT_F32": False, "HEADS_FIRST": True}, 4)
     reduce = {"part_ptr": F32, "lse_ptr": F32, "out_ptr": BF16} | {n: I32 for n in ("seq_lens_ptr", "kv_start_ptr")}
     reduce |= {"num_parts_ptr": I32} | {n: "i32" for n in ("stride_ot", "stride_oh", "num_splits", "num_cols")}
