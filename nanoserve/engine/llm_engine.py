@@ -124,7 +124,7 @@ class LLMEngine:
         plan = agree_kv_plan(plan, tp)
         self.runner = wrap_runner(ModelRunner(config, model, plan, self.device, self.kv_dtype, layout), tp)
         self.pooling = LastTokenPooling(model) if config.task == "embed" else None  # embedding model
-        # no prefill chunk is longer than a request: window groups hold at most a window and that
+        # window groups hold a window and one prefill chunk, and no chunk is longer than a request
         capacity, self.kv_tokens_full_layout = kv_capacity(
             cfg, plan, layout, min(config.chunked_prefill_size, wanted_len)
         )
