@@ -34,7 +34,8 @@ byte of code, a scale byte per 32). With --tune: entries for `TUNED_MXFP4`.
 T may take (gate_up with the fallback down, then down with gate_up's best; the decode path's
 down also over depth splits), keeps the faster path, and prints `TUNED` entries to paste into
 nanoserve/kernels/moe.py. Every candidate is compiled first, in parallel worker processes
-(--workers), so the timing loop only loads kernels from Triton's cache.
+(--workers), so the timing loop only loads kernels from Triton's cache. --paths decode (or
+grouped) tunes that path alone.
 """
 
 from __future__ import annotations
@@ -241,12 +242,16 @@ def grouped_variants(c: moe.MoEConfig, T: int, k: int, E: int) -> list[moe.MoECo
     return [dataclasses.replace(c, group_m=g) for g in GROUPS]
 
 
+PATHS = ("decode", "grouped")  # the paths --tune may time (--paths)
+
+
 def paths_for(T: int, k: int, E: int, mxfp4: bool = False) -> list[str]:
     """The paths timed at T: decode while the pairs are few (it reads an expert once per pair,
     grouped once per distinct expert), grouped from 9 pairs on; for MXFP4 experts at every T
-    (its dots run on tensor cores, the decode path's products on the FMA units)."""
+    (its dots run on tensor cores, the decode path's products on the FMA units); of PATHS."""
     grouped = T * k > 8 or mxfp4
-    return (["decode"] if T * k <= min(moe.DECODE_MAX_PAIRS, 2 * E) else []) + (["grouped"] if grouped else [])
+    paths = (["decode"] if T * k <= min(moe.DECODE_MAX_PAIRS, 2 * E) else []) + (["grouped"] if grouped else [])
+    return [p for p in paths if p in PATHS]
 
 
 def _compile_worker(name: str, jobs: list[tuple[str, moe.MoEConfig, moe.MoEConfig]], mxfp4: bool = False) -> int:
@@ -337,6 +342,7 @@ def tune(name: str, T: int, n_layers: int, mxfp4: bool = False) -> None:
 
 
 def main() -> None:
+    global PATHS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=[m for m in MODELS if m not in GPT_OSS], choices=list(MODELS))
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8, 16, 64, 256, 1024, 4096])
@@ -346,7 +352,9 @@ def main() -> None:
     ap.add_argument("--mxfp4", action="store_true", help="MXFP4 experts, as gpt-oss's (TB/s on their bytes)")
     ap.add_argument("--tune", action="store_true", help="measure block sizes, print TUNED entries")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="--tune: compile processes")
+    ap.add_argument("--paths", nargs="+", choices=PATHS, default=PATHS, help="--tune: the paths to time")
     args = ap.parse_args()
+    PATHS = tuple(args.paths)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/moe.py needs a CUDA GPU")
     if args.fp8 and args.mxfp4 or args.tune and args.fp8:

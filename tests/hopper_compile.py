@@ -134,11 +134,15 @@ def compile_mxfp4_kernels() -> None:
     act = {"ACT": 1, "ALPHA": 1.702, "LIMIT": 7.0}
     loop = {"K": 4, "BLOCK_N": 8, "BLOCK_K": 512, "LOOP_STAGES": 1, "USE_PDL": False}
     odd = ("stride_wn", "stride_sn")
-    ptx = compile_for_hopper(moe._decode_gate_up_mx_kernel, gate_up, loop | act, 4, 1, odd)
-    assert "ld.global.v4.b32" in ptx, "the decode gate_up kernel reads its weights in pieces"
-    consts = loop | {"split_k": 1, "ROUND": True, "HAS_BIAS": True}
-    ptx = compile_for_hopper(moe._decode_down_mx_kernel, down | {"split_k": "i32"}, consts, 4, 1, odd)
-    assert "ld.global.v4.b32" in ptx, "the decode down kernel reads its weights in pieces"
+    for half2 in (False, True):  # fp32 activations; bf16 ones, multiplied in f16x2 by PTX
+        h2 = {"HALF2": half2, "ASM": half2}
+        ptx = compile_for_hopper(moe._decode_gate_up_mx_kernel, gate_up, loop | act | h2, 4, 1, odd)
+        assert "ld.global.v4.b32" in ptx, "the decode gate_up kernel reads its weights in pieces"
+        assert ("fma.rn.f16x2" in ptx) == half2, "the decode gate_up kernel's products are not as asked"
+        consts = loop | h2 | {"split_k": 1, "ROUND": True, "HAS_BIAS": True, "ACT_F16": half2}
+        types = down | {"split_k": "i32", "a_ptr": "*fp16" if half2 else BF16}
+        ptx = compile_for_hopper(moe._decode_down_mx_kernel, types, consts, 4, 1, odd)
+        assert "ld.global.v4.b32" in ptx, "the decode down kernel reads its weights in pieces"
     grouped = gate_up | {n: I32 for n in ("pairs_ptr", "block_expert_ptr", "num_padded_ptr")}
     grouped |= {"num_pairs": "i32", "num_m": "i32"}
     tiles = {"K": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 0, "F32": False, "ASM": True} | act

@@ -444,12 +444,13 @@ TUNED: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
 }
 
 # The same for MXFP4 experts (`Mxfp4Scales`), whose tiles are a quarter of bf16's bytes: measured
-# with `python benchmarks/moe.py --tune --mxfp4` (H200, 2026-12-03, whole-group loads and
-# prefetched K steps; "was": the fallback then). gpt-oss-20b:
+# with `python benchmarks/moe.py --tune --mxfp4` (H200; grouped entries 2026-12-03, decode ones
+# 2026-12-04 with `--paths decode`). gpt-oss-20b:
 TUNED_MXFP4: dict[tuple[int, int, int, int], tuple[MoEConfig, MoEConfig]] = {
-    (2880, 2880, 32, 1): (MoEConfig(1, 8, 512, 4, 1), MoEConfig(1, 16, 1024, 8, 1)),  # 34.9 us (was 58.0)
-    (2880, 2880, 32, 2): (MoEConfig(1, 8, 512, 4, 1), MoEConfig(1, 16, 1024, 8, 1)),  # 59.5 us (T=1's: 58.6)
-    (2880, 2880, 32, 8): (MoEConfig(1, 16, 256, 4, 1), MoEConfig(1, 16, 256, 2, 1, 2)),  # 197.5 us (was 203.0)
+    # Decode entries of the f16x2 products (`_mx_group_sums_h2`; "was": the fp32 products' entries on them):
+    (2880, 2880, 32, 1): (MoEConfig(1, 8, 1024, 8, 1), MoEConfig(1, 8, 1024, 8, 1)),  # 31.1 us (was 32.9)
+    (2880, 2880, 32, 2): (MoEConfig(1, 8, 512, 4, 1), MoEConfig(1, 16, 1024, 4, 3)),  # 51.3 us (was 52.4)
+    (2880, 2880, 32, 8): (MoEConfig(1, 4, 512, 1, 1), MoEConfig(1, 32, 256, 1, 1)),  # 163.4 us (was 175.0)
     # Grouped entries at cbeeea2 (bf16 dequantized in PTX, one dot a K step; "was": the fallback):
     (2880, 2880, 32, 32): (MoEConfig(16, 64, 128, 4, 4), MoEConfig(16, 128, 128, 4, 3)),  # 262.1 us (was 292.3)
     (2880, 2880, 32, 256): (MoEConfig(64, 128, 128, 4, 3), MoEConfig(64, 128, 64, 4, 3)),  # 429.2 us (was 665.4)
@@ -813,15 +814,16 @@ def _grouped_down_kernel(
 
 @triton.jit
 def _decode_gate_up_store(
-    gate, up, out_ptr, b_ptr, e, I, cols, col_ok, p, stride_o, stride_be,
+    gate, up, out_ptr, b_ptr, e, I, cols, col_ok, p, stride_o, stride_be, dtype: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
     """The decode gate_up kernels' epilogue (bf16 / FP8 and MXFP4 weights): gpt-oss's biases,
-    the activation, pair p's output columns stored."""
+    the activation rounded to the model's `dtype`, pair p's output columns stored (as fp16 by
+    the MXFP4 kernels' HALF2 path: exact for the clamped SwiGLU's bf16 values)."""
     if ACT == 1:  # gpt-oss: the products' biases
         gate += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
         up += tl.load(b_ptr + e * stride_be + I + cols, mask=col_ok, other=0.0).to(tl.float32)
-    y = _activation(gate, up, out_ptr.dtype.element_ty, ACT, ALPHA, LIMIT)
+    y = _activation(gate, up, dtype, ACT, ALPHA, LIMIT)
     tl.store(out_ptr + p * stride_o + cols, y, mask=col_ok)
 
 
@@ -865,7 +867,9 @@ def _decode_gate_up_kernel(
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    _decode_gate_up_store(gate, up, out_ptr, b_ptr, e, I, cols, col_ok, p, stride_o, stride_be, ACT, ALPHA, LIMIT)
+    _decode_gate_up_store(
+        gate, up, out_ptr, b_ptr, e, I, cols, col_ok, p, stride_o, stride_be, out_ptr.dtype.element_ty, ACT, ALPHA, LIMIT
+    )  # fmt: skip
 
 
 @triton.jit
@@ -956,10 +960,10 @@ def _fp16_bits(bits):
 
 
 @triton.jit
-def _e2m1_pair(w, N: tl.constexpr):
-    """The FP4 E2M1 values, times 2^-14 in fp32, of pair N (0 <= N < 4) of int32 words w in
-    `pack_mxfp4`'s layout: (element 4N + q's, element 16 + 4N + q's). Both come out of one
-    word as two fp16s: magnitude bits at 9..11 and 25..27, sign bits at 15 and 31."""
+def _e2m1_pair_bits(w, N: tl.constexpr):
+    """Pair N (0 <= N < 4) of int32 words w in `pack_mxfp4`'s layout, (element 4N + q's,
+    element 16 + 4N + q's), as an f16x2 word of their E2M1 values times 2^-14: magnitude bits
+    at 9..11 and 25..27, sign bits at 15 and 31."""
     if N == 0:
         bits = w & -1912566272  # 0x8E008E00 as an int32
     elif N == 1:
@@ -968,7 +972,117 @@ def _e2m1_pair(w, N: tl.constexpr):
         bits = ((w << 9) & 0x0E000E00) | ((w << 2) & -2147450880)  # 0x80008000
     else:
         bits = ((w << 6) & 0x0E000E00) | ((w << 1) & -2147450880)
+    return bits
+
+
+@triton.jit
+def _e2m1_pair(w, N: tl.constexpr):
+    """`_e2m1_pair_bits`' two values in fp32."""
+    bits = _e2m1_pair_bits(w, N)
     return _fp16_bits(bits), _fp16_bits(bits >> 16)
+
+
+# The decode kernels' bf16 path multiplies in f16x2 (HALF2): a weight pair's word
+# (`_e2m1_pair_bits`) times the word of its two activations in fp16, added into an f16x2
+# accumulator per word, one `fma.rn.f16x2` for two elements where the fp32 path spends a
+# conversion and an FMA on each; a group's four words are added in f16x2 and its two fp16
+# sums (16 products each) go to fp32 before its scale multiplies them. The K loop's SASS
+# (sm_90, host build) went 5.3 -> 3.2-3.7 instructions an element; gpt-oss-20b's expert layer
+# at T=1 took 35.4 -> 31.0 us on an H200 (2026-12-04, retuned), so it is not issue-bound alone.
+# Rounding: the products are exact and each FMA rounds once to fp16 (2^-11 relative; sums
+# under 2^-14 round to fp16's subnormal grid, 2^-24 absolute, below what bf16 keeps of the
+# dot product); fp16 overflows only at |activation| >= 65504 (clamped there: bf16 reaches
+# further), far above what a normed hidden row or the clamped SwiGLU's output (at most
+# (limit + 1) * limit) holds. ASM: the PTX instructions; else (the interpreter) the same
+# arithmetic in Triton's fp32 and fp16, so CI runs this path's logic.
+
+
+@triton.jit
+def _h2_join(lo, hi, ASM: tl.constexpr):
+    """The f16x2 word of fp16 tensors lo (low half) and hi."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi], dtype=tl.int32, is_pure=True, pack=1
+        )
+    return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _h2_pack(lo, hi, ASM: tl.constexpr):
+    """The f16x2 word of fp32 tensors lo and hi, rounded to nearest, clamped to fp16's range."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "cvt.rn.satfinite.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32, is_pure=True, pack=1
+        )
+    lo = tl.minimum(tl.maximum(lo, -65504.0), 65504.0)
+    hi = tl.minimum(tl.maximum(hi, -65504.0), 65504.0)
+    return _h2_join(lo.to(tl.float16), hi.to(tl.float16), False)
+
+
+@triton.jit
+def _h2_fma(a, b, c, ASM: tl.constexpr):
+    """a * b + c on f16x2 words, each half rounded once to fp16 (under the interpreter: the
+    exact product plus c in fp32, then rounded to fp16)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
+    lo = _fp16_bits(a) * _fp16_bits(b) + _fp16_bits(c)
+    hi = _fp16_bits(a >> 16) * _fp16_bits(b >> 16) + _fp16_bits(c >> 16)
+    return _h2_join(lo.to(tl.float16), hi.to(tl.float16), False)
+
+
+@triton.jit
+def _mx_x_pairs(x_ptrs, x_ok, ASM: tl.constexpr):
+    """The four f16x2 words [G, 4] of a K step's activations that meet `_e2m1_pair_bits`'
+    pairs 0..3: (x[4n + q], x[16 + 4n + q]) of each group; bf16 activations rounded to fp16
+    (exact inside fp16's normal range), fp16 ones (the down kernel's act) joined as they are."""
+    lo0 = tl.load(x_ptrs, mask=x_ok, other=0.0)
+    if lo0.dtype == tl.float16:
+        p0 = _h2_join(lo0, tl.load(x_ptrs + 16, mask=x_ok, other=0.0), ASM)
+        p1 = _h2_join(tl.load(x_ptrs + 4, mask=x_ok, other=0.0), tl.load(x_ptrs + 20, mask=x_ok, other=0.0), ASM)
+        p2 = _h2_join(tl.load(x_ptrs + 8, mask=x_ok, other=0.0), tl.load(x_ptrs + 24, mask=x_ok, other=0.0), ASM)
+        p3 = _h2_join(tl.load(x_ptrs + 12, mask=x_ok, other=0.0), tl.load(x_ptrs + 28, mask=x_ok, other=0.0), ASM)
+    else:
+        hi0 = tl.load(x_ptrs + 16, mask=x_ok, other=0.0)
+        p0 = _h2_pack(lo0.to(tl.float32), hi0.to(tl.float32), ASM)
+        p1 = _h2_pack(_x_f32(x_ptrs + 4, x_ok), _x_f32(x_ptrs + 20, x_ok), ASM)
+        p2 = _h2_pack(_x_f32(x_ptrs + 8, x_ok), _x_f32(x_ptrs + 24, x_ok), ASM)
+        p3 = _h2_pack(_x_f32(x_ptrs + 12, x_ok), _x_f32(x_ptrs + 28, x_ok), ASM)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _x_f32(ptrs, ok):
+    return tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _h2_add_asm(a, b):
+    return tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _h2_add_emulated(a, b):
+    lo = (_fp16_bits(a) + _fp16_bits(b)).to(tl.float16)
+    return _h2_join(lo, (_fp16_bits(a >> 16) + _fp16_bits(b >> 16)).to(tl.float16), False)
+
+
+@triton.jit
+def _mx_group_sums_h2(w, p0, p1, p2, p3, ASM: tl.constexpr):
+    """For words w [BLOCK_N, G, 4] (a group's four words one thread's): each group's 32
+    products summed in fp32, through f16x2: a word's eight in two fp16 halves (four FMAs of
+    two), its four words' halves added in f16x2, then the two halves in fp32. p0..p3 from
+    `_mx_x_pairs`."""
+    acc = _h2_fma(_e2m1_pair_bits(w, 0), p0[None], tl.zeros(w.shape, dtype=tl.int32), ASM)
+    acc = _h2_fma(_e2m1_pair_bits(w, 1), p1[None], acc, ASM)
+    acc = _h2_fma(_e2m1_pair_bits(w, 2), p2[None], acc, ASM)
+    acc = _h2_fma(_e2m1_pair_bits(w, 3), p3[None], acc, ASM)
+    if ASM:
+        acc = tl.reduce(acc, 2, _h2_add_asm)
+    else:
+        acc = tl.reduce(acc, 2, _h2_add_emulated)
+    return _fp16_bits(acc) + _fp16_bits(acc >> 16)
 
 
 @triton.jit
@@ -1008,13 +1122,15 @@ def _decode_gate_up_mx_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, b_ptr, H, I, stride_x, stride_we, stride_wn, stride_se, stride_sn,
     stride_o, stride_be, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    HALF2: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """`_decode_gate_up_kernel` on MXFP4 weights (w: the packed codes as int32 words [E, 2I, H/8],
     s [E, 2I, H/32]): each K step multiplies a [BLOCK_N, G, 4] tile of words of the gate rows
     and one of the up rows (G = BLOCK_K / 32 groups, a group's four words one thread's) while
     the next step's tiles load (held in registers: no wait on memory at the top of a step),
     and adds each group's sum times its scale into a [BLOCK_N, G] accumulator, summed over G
-    once, after the loop (H is whole groups)."""
+    once, after the loop (H is whole groups). HALF2 (bf16 x): the products in f16x2
+    (`_mx_group_sums_h2`; ASM: its PTX), stored as fp16 (out_ptr's dtype); else in fp32."""
     pdl_start(USE_PDL)  # which rows to read comes from the route kernel
     G: tl.constexpr = BLOCK_K // 32
     p = tl.program_id(0).to(tl.int64)
@@ -1040,8 +1156,13 @@ def _decode_gate_up_mx_kernel(
         wg_next, sg_next = _mx_rows(g_ptrs + BLOCK_K // 8, sg_ptrs + G, row_ok, gs, left)
         wu_next, su_next = _mx_rows(u_ptrs + BLOCK_K // 8, su_ptrs + G, row_ok, gs, left)
         x_ok = (gs < (H - k0) // 32)[:, None]
-        gate += tl.sum(_mx_word_sums(wg, x_ptrs, x_ok), axis=2) * sg
-        up += tl.sum(_mx_word_sums(wu, x_ptrs, x_ok), axis=2) * su
+        if HALF2:
+            p0, p1, p2, p3 = _mx_x_pairs(x_ptrs, x_ok, ASM)
+            gate += _mx_group_sums_h2(wg, p0, p1, p2, p3, ASM) * sg
+            up += _mx_group_sums_h2(wu, p0, p1, p2, p3, ASM) * su
+        else:
+            gate += tl.sum(_mx_word_sums(wg, x_ptrs, x_ok), axis=2) * sg
+            up += tl.sum(_mx_word_sums(wu, x_ptrs, x_ok), axis=2) * su
         wg, sg, wu, su = wg_next, sg_next, wu_next, su_next
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K // 8
@@ -1050,7 +1171,10 @@ def _decode_gate_up_mx_kernel(
         su_ptrs += G
     gate_n = tl.sum(gate, axis=1)
     up_n = tl.sum(up, axis=1)
-    _decode_gate_up_store(gate_n, up_n, out_ptr, b_ptr, e, I, rows, row_ok, p, stride_o, stride_be, ACT, ALPHA, LIMIT)
+    _decode_gate_up_store(
+        gate_n, up_n, out_ptr, b_ptr, e, I, rows, row_ok, p, stride_o, stride_be, x_ptr.dtype.element_ty, ACT, ALPHA,
+        LIMIT,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -1058,10 +1182,12 @@ def _decode_down_mx_kernel(
     a_ptr, w_ptr, s_ptr, planes_ptr, ids_ptr, topk_w_ptr, b_ptr, H, I, k_split, split_k, stride_a, stride_we,
     stride_wn, stride_se, stride_sn, stride_plane, stride_be, K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, ROUND: tl.constexpr, LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HALF2: tl.constexpr, ASM: tl.constexpr, ACT_F16: tl.constexpr,
 ):  # fmt: skip
     """`_decode_down_kernel` on MXFP4 weights (w: int32 words [E, H, I/8], s [E, H, I/32]), K
-    steps as `_decode_gate_up_mx_kernel`'s; each split's depth is whole BLOCK_K steps (groups)."""
+    steps as `_decode_gate_up_mx_kernel`'s; each split's depth is whole BLOCK_K steps (groups).
+    HALF2, ASM as its; ACT_F16: the activations are the HALF2 gate_up kernel's fp16 ones of a bf16
+    model (the product rounds to bf16)."""
     pdl_start(USE_PDL)  # the expert ids and act come from the kernels before
     G: tl.constexpr = BLOCK_K // 32
     p = tl.program_id(0).to(tl.int64)
@@ -1081,14 +1207,20 @@ def _decode_down_mx_kernel(
     acc = tl.zeros([BLOCK_N, G], dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
         w_next, scale_next = _mx_rows(w_ptrs + BLOCK_K // 8, s_ptrs + G, col_ok, gs, (k_end - k0 - BLOCK_K) // 32)
-        acc += tl.sum(_mx_word_sums(w, a_ptrs, (gs < (k_end - k0) // 32)[:, None]), axis=2) * scale
+        a_ok = (gs < (k_end - k0) // 32)[:, None]
+        if HALF2:
+            p0, p1, p2, p3 = _mx_x_pairs(a_ptrs, a_ok, ASM)
+            acc += _mx_group_sums_h2(w, p0, p1, p2, p3, ASM) * scale
+        else:
+            acc += tl.sum(_mx_word_sums(w, a_ptrs, a_ok), axis=2) * scale
         w, scale = w_next, scale_next
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 8
         s_ptrs += G
+    dtype: tl.constexpr = tl.bfloat16 if ACT_F16 else a_ptr.dtype.element_ty  # the model's
     _decode_down_store(
         tl.sum(acc, axis=1), planes_ptr, topk_w_ptr, b_ptr, e, H, cols, col_ok, p, split, split_k,
-        stride_plane, stride_be, a_ptr.dtype.element_ty, K, ROUND, HAS_BIAS,
+        stride_plane, stride_be, dtype, K, ROUND, HAS_BIAS,
     )  # fmt: skip
 
 
@@ -1388,21 +1520,26 @@ def _mxfp4_partials(hidden, w13, w2, scales: Mxfp4Scales, ids, weights, cfg13, c
     planes = torch.empty(k * split, T, H, dtype=torch.float32, device=hidden.device)
     if T == 0:
         return planes
-    out13 = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)  # the activations
+    half2 = path == "decode" and hidden.dtype == torch.bfloat16  # see `_mx_group_sums_h2`
+    act_f16 = half2 and kinds["gate_up"]["ACT"] == 1  # the clamped SwiGLU's values: exact in fp16
+    act_dtype = torch.float16 if act_f16 else hidden.dtype
+    out13 = torch.empty(pairs, inter, dtype=act_dtype, device=hidden.device)  # the activations
     w13, w2 = w13.view(torch.int32), w2.view(torch.int32)  # the codes as 32-bit words (`pack_mxfp4`)
     if path == "decode":
+        h2 = {"HALF2": half2, "ASM": half2 and not INTERPRET}
         _decode_gate_up_mx_kernel[(pairs, triton.cdiv(inter, cfg13.block_n))](
             hidden, w13, s13, out13, ids, b13, H, inter, hidden.stride(0), w13.stride(0), w13.stride(1),
             s13.stride(0), s13.stride(1), out13.stride(0), b13.stride(0), K=k, BLOCK_N=cfg13.block_n,
-            BLOCK_K=cfg13.block_k, LOOP_STAGES=cfg13.num_stages, **kinds["gate_up"], num_warps=cfg13.num_warps,
-            num_stages=cfg13.num_stages, **launch_options(hidden.device, pdl),
+            BLOCK_K=cfg13.block_k, LOOP_STAGES=cfg13.num_stages, **kinds["gate_up"], **h2,
+            num_warps=cfg13.num_warps, num_stages=cfg13.num_stages, **launch_options(hidden.device, pdl),
         )  # fmt: skip
         k_split = triton.cdiv(triton.cdiv(inter, split), cfg2.block_k) * cfg2.block_k  # whole K steps
         _decode_down_mx_kernel[(pairs, triton.cdiv(H, cfg2.block_n), split)](
             out13, w2, s2, planes, ids, weights, b2, H, inter, k_split, split, out13.stride(0), w2.stride(0),
             w2.stride(1), s2.stride(0), s2.stride(1), T * H, b2.stride(0), K=k, BLOCK_N=cfg2.block_n,
-            BLOCK_K=cfg2.block_k, ROUND=split == 1, LOOP_STAGES=cfg2.num_stages, **kinds["down"],
-            num_warps=cfg2.num_warps, num_stages=cfg2.num_stages, **launch_options(hidden.device, pdl),
+            BLOCK_K=cfg2.block_k, ROUND=split == 1, LOOP_STAGES=cfg2.num_stages, **kinds["down"], **h2,
+            ACT_F16=act_f16, num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+            **launch_options(hidden.device, pdl),
         )  # fmt: skip
         return planes
     f32 = hidden.dtype == torch.float32 or INTERPRET  # see _dot

@@ -42,7 +42,7 @@ from torch import nn
 
 from nanoserve.distributed import SINGLE, TPGroup
 from nanoserve.kernels import moe as moe_kernels
-from nanoserve.models.layers import _shard, _SwitchedLayer, linear
+from nanoserve.models.layers import SplitKPartials, _shard, _SwitchedLayer, linear
 from nanoserve.models.model_config import ModelConfig
 from nanoserve.models.moe import MLP_REDUCE_SLOT
 
@@ -169,7 +169,10 @@ class GptOssMoE(_SwitchedLayer):
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         return torch.softmax(top.float(), dim=-1), ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
+        """This rank's partial sums [T, H]; on one GPU through the fused kernels, their unsummed
+        fp32 terms, which the next RMSNorm adds (`split_sum_in_norm`: one launch fewer a layer,
+        the same bits)."""
         switches = self.switches
         fused = x.is_cuda and switches.triton_ops and switches.fused_gpt_oss  # reads only the chosen experts
         weights, ids = self.route(x, fused)
@@ -177,6 +180,11 @@ class GptOssMoE(_SwitchedLayer):
         act = moe_kernels.ClampedSwiGLU(ex.b13, ex.b2 if self.tp.rank == 0 else None, self.alpha, self.limit)
         slot = self.tp.partial_out(x.shape[0], x.shape[1], x.dtype, MLP_REDUCE_SLOT)
         scales = ex.scales  # MXFP4: decoded in the kernels' registers, or per expert by the twins
+        if fused and self.tp.size == 1 and switches.split_sum_in_norm:
+            planes = moe_kernels.fused_moe_partials(
+                x, ex.w13, ex.w2, weights, ids, pdl=switches.pdl, scales=scales, act=act
+            )
+            return SplitKPartials(planes)
         if fused:
             return moe_kernels.fused_moe(
                 x, ex.w13, ex.w2, weights, ids, out=slot, pdl=switches.pdl, scales=scales, act=act
