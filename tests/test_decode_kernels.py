@@ -201,7 +201,7 @@ def test_gemv_rule_pipelines_only_loops_of_several_steps():
     1024 outputs the 2-row tiles stay."""
     from nanoserve.kernels.linear import fp8_linear_config, linear_config
 
-    for n, k in QWEN3_SHAPES + LLAMA_SHAPES + [(5120, 2048), (2048, 4096), (128, 2048), (49152, 576)]:
+    for n, k in QWEN3_SHAPES + LLAMA_SHAPES + [(5120, 2048), (2048, 4096), (128, 2048), (49152, 576), (2880, 4096)]:
         for c in (linear_config(1, n, k, torch.bfloat16), fp8_linear_config(1, n, k, torch.bfloat16)):
             assert c.kernel == "fma" and c.block_m == 1, (n, k, c)
             assert c.num_stages == 1 or k > c.block_k, (n, k, c)
@@ -209,6 +209,9 @@ def test_gemv_rule_pipelines_only_loops_of_several_steps():
     assert linear_config(1, 128, 2048, torch.bfloat16).block_n == 2  # its router
     assert linear_config(1, 128256, 4096, torch.bfloat16).block_n == 16  # llama's LM head
     assert linear_config(1, 6144, 4096, torch.bfloat16).num_stages == 3
+    oss_o = linear_config(1, 2880, 4096, torch.bfloat16)  # gpt-oss's o_proj: 2-row tiles, 6 stages
+    assert (oss_o.block_n, oss_o.block_k, oss_o.num_stages) == (2, 1024, 6)
+    assert linear_config(1, 3840, 4096, torch.bfloat16).block_n == 4  # gemma-3-12b's keeps the 4-row rule
 
 
 def test_linear_rule_above_eight_rows():

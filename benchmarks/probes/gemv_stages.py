@@ -56,12 +56,17 @@ SHAPES = [  # (label, N, K)
     ("q06_gate_up", 6144, 1024),
     ("q06_down", 1024, 3072),
     ("q06_lm_head", 151936, 1024),
+    ("oss_qkv", 5120, 2880),  # gpt-oss-20b: K = 2880 is no power of two (every tile masks its last step)
+    ("oss_o", 2880, 4096),
+    ("oss_router", 32, 2880),
+    ("oss_lm_head", 201088, 2880),
 ]
 LAYERS = {
     "llama-3.1-8b": ("llama_qkv", "llama_o", "llama_gate_up", "llama_down"),
     "qwen3-8b": ("llama_qkv", "llama_o", "qwen3_gate_up", "qwen3_down"),
     "qwen3-30b-a3b": ("q30_qkv", "q30_o"),
     "qwen3-0.6b": ("q06_qkv", "q06_o", "q06_gate_up", "q06_down"),
+    "gpt-oss-20b": ("oss_qkv", "oss_o", "oss_router"),
 }
 ROTATE_BYTES = 256 << 20
 TOL = 2e-2

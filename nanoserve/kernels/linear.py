@@ -923,6 +923,9 @@ def _choose_few_rows(M: int, N: int, K: int) -> LinearConfig | None:
 #   tiles on 8 warps at 4 stages: 8.7 against 9.5 us there, and 8.8 against 9.4 in a second
 #   sweep (2026-11-27, `gemv_stages.py --bits`), where every other shape kept its tile.
 # Below 1024 outputs or with K in one step (K <= 1024), the rule of 2026-11-21 stands.
+# - Outputs of 2049-3072 with K >= 4096 (gpt-oss's o_proj, 2880 x 4096): 2 x 1024 tiles at 6
+#   stages, 7.6 us against 9.0 for the 4 x 1024 rule (`gemv_stages.py --shapes oss_o`, H200,
+#   2026-12-04; its qkv, 5120 x 2880, kept its tile: 9.2 against the best 9.0).
 def _choose_gemv(N: int, K: int) -> LinearConfig:
     """M = 1 with bf16/fp16 weights (see the rule above)."""
     if N >= 65536:  # vocabulary projections
@@ -930,6 +933,8 @@ def _choose_gemv(N: int, K: int) -> LinearConfig:
     block_k = min(1024, triton.next_power_of_2(K))
     if N <= 2048 and (N < 1024 or K <= 1024):
         return LinearConfig("fma", 1, 2, min(2048, triton.next_power_of_2(K)), num_warps=8)
+    if 2048 < N <= 3072 and K >= 4096:
+        return LinearConfig("fma", 1, 2, 1024, num_warps=2, num_stages=6)
     stages = 1 if K <= block_k else 6 if N <= 2048 else 3
     return LinearConfig("fma", 1, 4, block_k, num_warps=2, num_stages=stages)
 
