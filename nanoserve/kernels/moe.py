@@ -1033,28 +1033,26 @@ def _h2_fma(a, b, c, ASM: tl.constexpr):
 
 
 @triton.jit
-def _mx_x_pairs(x_ptrs, x_ok, ASM: tl.constexpr):
-    """The four f16x2 words [G, 4] of a K step's activations that meet `_e2m1_pair_bits`'
-    pairs 0..3: (x[4n + q], x[16 + 4n + q]) of each group; bf16 activations rounded to fp16
-    (exact inside fp16's normal range), fp16 ones (the down kernel's act) joined as they are."""
-    lo0 = tl.load(x_ptrs, mask=x_ok, other=0.0)
-    if lo0.dtype == tl.float16:
-        p0 = _h2_join(lo0, tl.load(x_ptrs + 16, mask=x_ok, other=0.0), ASM)
-        p1 = _h2_join(tl.load(x_ptrs + 4, mask=x_ok, other=0.0), tl.load(x_ptrs + 20, mask=x_ok, other=0.0), ASM)
-        p2 = _h2_join(tl.load(x_ptrs + 8, mask=x_ok, other=0.0), tl.load(x_ptrs + 24, mask=x_ok, other=0.0), ASM)
-        p3 = _h2_join(tl.load(x_ptrs + 12, mask=x_ok, other=0.0), tl.load(x_ptrs + 28, mask=x_ok, other=0.0), ASM)
-    else:
-        hi0 = tl.load(x_ptrs + 16, mask=x_ok, other=0.0)
-        p0 = _h2_pack(lo0.to(tl.float32), hi0.to(tl.float32), ASM)
-        p1 = _h2_pack(_x_f32(x_ptrs + 4, x_ok), _x_f32(x_ptrs + 20, x_ok), ASM)
-        p2 = _h2_pack(_x_f32(x_ptrs + 8, x_ok), _x_f32(x_ptrs + 24, x_ok), ASM)
-        p3 = _h2_pack(_x_f32(x_ptrs + 12, x_ok), _x_f32(x_ptrs + 28, x_ok), ASM)
-    return p0, p1, p2, p3
+def _mx_x_pair(ptrs, ok, ASM: tl.constexpr):
+    """The f16x2 word (x[i], x[i + 16]) of the activations at ptrs (element i): bf16 ones
+    rounded to fp16 (exact inside fp16's normal range), fp16 ones (the down kernel's act)
+    joined as they are."""
+    lo = tl.load(ptrs, mask=ok, other=0.0)
+    hi = tl.load(ptrs + 16, mask=ok, other=0.0)
+    if lo.dtype == tl.float16:
+        return _h2_join(lo, hi, ASM)
+    return _h2_pack(lo.to(tl.float32), hi.to(tl.float32), ASM)
 
 
 @triton.jit
-def _x_f32(ptrs, ok):
-    return tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+def _mx_x_pairs(x_ptrs, x_ok, ASM: tl.constexpr):
+    """The four f16x2 words [G, 4] of a K step's activations that meet `_e2m1_pair_bits`'
+    pairs 0..3 (`_mx_x_pair` at elements 4n + q of each group)."""
+    p0 = _mx_x_pair(x_ptrs, x_ok, ASM)
+    p1 = _mx_x_pair(x_ptrs + 4, x_ok, ASM)
+    p2 = _mx_x_pair(x_ptrs + 8, x_ok, ASM)
+    p3 = _mx_x_pair(x_ptrs + 12, x_ok, ASM)
+    return p0, p1, p2, p3
 
 
 @triton.jit
