@@ -748,3 +748,59 @@ def test_interp_rms_norm(n, residual):
 @pytest.mark.parametrize("residual", [True, False])
 def test_gpu_rms_norm(tokens, n, residual):
     check_rms_norm(tokens, n, torch.bfloat16, "cuda", residual, tol=1e-2, seed=tokens + n)
+
+
+def check_sandwich_norm(tokens, n, dtype, device, splits: int, seed=0) -> None:
+    """A closing norm, the residual add and the next norm in one launch (`pre_norm`): bit-equal
+    to the closing norm's own launch followed by the add-and-norm one, and to the torch twin
+    within one rounding; from a dense x or from a split-K product's fp32 planes."""
+    from nanoserve.kernels import norm as knorm
+    from nanoserve.kernels.norm import sandwich_norm_reference
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    planes = 3 * torch.randn(max(splits, 1), tokens, n, generator=gen, device=device)
+    r = torch.randn(tokens, n, generator=gen, device=device).to(dtype)
+    w_pre, w = ((1 + 0.1 * torch.randn(n, generator=gen, device=device)).to(dtype) for _ in range(2))
+    x = planes if splits else planes[0].to(dtype)
+    got, got_sum = knorm.rms_norm(x, w, 1e-6, r, pre_norm=(w_pre, 1e-5))
+    two, two_sum = knorm.rms_norm(knorm.rms_norm(x, w_pre, 1e-5), w, 1e-6, r)
+    assert torch.equal(got, two) and torch.equal(got_sum, two_sum)
+    dense = planes.sum(0).to(dtype)  # the planes' sum in another order: one rounding apart at most
+    twin, twin_sum = sandwich_norm_reference(dense, w_pre, 1e-5, r, w, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(got, twin) < tol and rel_err(got_sum, twin_sum) < tol
+    with pytest.raises(ValueError, match="pre_norm"):
+        knorm.rms_norm(x, w, 1e-6, pre_norm=(w_pre, 1e-5))
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [0, 3])
+def test_interp_sandwich_norm(dtype, splits):
+    check_sandwich_norm(3, 48, dtype, "cpu", splits, seed=splits)
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 8, 300])
+@pytest.mark.parametrize("splits", [0, 4])
+def test_gpu_sandwich_norm(tokens, splits):
+    check_sandwich_norm(tokens, 3840, torch.bfloat16, "cuda", splits, seed=tokens)  # gemma-3-12b's hidden size
+
+
+def test_pending_closing_norm_on_the_torch_path():
+    """Where the one-launch kernel does not apply (here: the CPU), a PendingNorm given to the
+    next norm is normed by its own norm first, then added and normed: the sandwich's formula."""
+    from nanoserve.distributed import SINGLE
+    from nanoserve.kernels.norm import sandwich_norm_reference
+    from nanoserve.models.layers import PendingNorm, RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    closing, opening = RMSNorm(16, 1e-5), RMSNorm(16, 1e-6)
+    for layer in (closing, opening):
+        layer.weight.data = 1 + 0.1 * torch.randn(16, generator=gen)
+    x, r = torch.randn(2, 3, 16, generator=gen)
+    normed, stream = opening(PendingNorm(x, closing, SINGLE), r)
+    want, want_stream = sandwich_norm_reference(x, closing.weight, 1e-5, r, opening.weight, 1e-6)
+    assert torch.equal(normed, want) and torch.equal(stream, want_stream)
+    with pytest.raises(ValueError, match="residual"):
+        opening(PendingNorm(x, closing, SINGLE))

@@ -74,6 +74,8 @@ MODELS: dict[str, tuple[int, list[tuple[str, int, int]]]] = {
                      ("lm_head", 49152, 576)]),
     "llama": (32, [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
                    ("down", 4096, 14336), ("lm_head", 128256, 4096)]),
+    "gemma": (48, [("qkv", 8192, 3840), ("o_proj", 3840, 4096), ("gate_up", 30720, 3840),
+                   ("down", 3840, 15360), ("lm_head", 262208, 3840)]),
 }  # fmt: skip
 BMS, BNS, BKS, WARPS, STAGES = (16, 32, 64, 128), (32, 64, 128), (64, 128), (4, 8), (3, 4)
 SPLITS = (1, 2, 4)

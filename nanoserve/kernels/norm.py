@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.launch import launch_options, pdl_start
+from nanoserve.kernels.launch import INTERPRET, launch_options, pdl_start
 from nanoserve.kernels.linear import _sum_planes
 
 
@@ -36,6 +36,14 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torc
     """(RMSNorm(x + residual), x + residual)."""
     x = x + residual
     return rms_norm_reference(x, weight, eps), x
+
+
+def sandwich_norm_reference(
+    x: torch.Tensor, pre_weight: torch.Tensor, pre_eps: float, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(RMSNorm_pre(x) + residual), RMSNorm_pre(x) + residual): a block's closing
+    norm, the residual add and the next block's opening norm."""
+    return add_rms_norm_reference(rms_norm_reference(x, pre_weight, pre_eps), residual, weight, eps)
 
 
 def resolve_pending(ids: torch.Tensor, pool: torch.Tensor, pool_index: torch.Tensor) -> torch.Tensor:
@@ -68,16 +76,17 @@ def _lanes(d, HALF: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, ids_ptr, pool_ptr, index_ptr,
-    stride_x, stride_r, stride_o, stride_s, stride_plane, eps,
+    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, ids_ptr, pool_ptr, index_ptr, pre_w_ptr,
+    stride_x, stride_r, stride_o, stride_s, stride_plane, eps, pre_eps,
     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, GATHER: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PRE_NORM: tl.constexpr, FENCE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program r: row r of x (SPLITS == 0), or of the sum of SPLITS fp32 planes of a split-K
     product (x_ptr: the workspace [SPLITS, M, N], planes `stride_plane` apart), added in
     split order and rounded once to the output dtype exactly as `_sum_splits_kernel` would;
-    then the residual add and the norm. GATHER: row ids[r] of the table x (an id < 0 read
-    from pool[index[r]] and written back), stored to sum_ptr as the stream's start."""
+    PRE_NORM: that row normed by pre_w first (a block's closing norm, rounded as its own
+    launch would); then the residual add and the norm. GATHER: row ids[r] of the table x (an
+    id < 0 read from pool[index[r]] and written back), stored to sum_ptr as the stream's start."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = _lanes(cols, N)
@@ -96,6 +105,14 @@ def _rms_norm_kernel(
     else:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     x = x.to(tl.float32)
+    if PRE_NORM:
+        pre_w = tl.load(pre_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _rms_normalize(x, pre_w, pre_eps, N, dtype).to(tl.float32)
+        if FENCE:
+            # The closing norm's product must be rounded before the residual add reads it: left
+            # to itself the compiler contracts (y * w) + r into one fma and drops the rounding
+            # (28% of the sums differed from two launches on an H200). An opaque identity stops it.
+            x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         x = (x + r).to(dtype)  # the sum is rounded before the norm reads it, as in the reference
@@ -120,10 +137,21 @@ def _row_shape(n: int) -> dict:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl: bool = True
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    pdl: bool = True,
+    pre_norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of the rows of x [T, N] (dense rows); with `residual` [T, N], of x + residual,
     returning (normed, x + residual) like `add_rms_norm_reference`. Outputs in x's dtype.
+
+    `pre_norm` (weight, eps), with a residual: x is first normed by that weight, so that a
+    block's closing norm, the residual add and the next block's opening norm (Gemma's sandwich
+    norms) run in one launch (`sandwich_norm_reference`): in bf16 and fp16 bit-identical to the
+    closing norm's own launch followed by this one (H200, rows 48-3840 wide); in fp32 the
+    compiler's own contractions can leave the two one rounding apart.
 
     x may also be a split-K product's unsummed fp32 partials [S, T, N] (dense; see
     `small_m_linear(..., partials_only=True)`), with the outputs in weight's dtype: the planes
@@ -135,16 +163,19 @@ def rms_norm(
     tokens, n = x.shape[-2:]
     if x.stride(-1) != 1 or (residual is not None and (residual.shape != (tokens, n) or residual.stride(1) != 1)):
         raise ValueError("rms_norm needs rows with a dense last dim")
+    if pre_norm is not None and (residual is None or pre_norm[0].dtype != weight.dtype):
+        raise ValueError("pre_norm needs a residual and a weight of the norm's dtype")
     dtype = weight.dtype if splits else x.dtype
     out = torch.empty(tokens, n, dtype=dtype, device=x.device)
     total = torch.empty_like(out) if residual is not None else out
     if tokens:
         r = residual if residual is not None else out
+        pre_w, pre_eps = pre_norm if pre_norm is not None else (weight, eps)
         _rms_norm_kernel[(tokens,)](
-            x, r, weight, out, total, out, out, out, x.stride(-2), r.stride(0), out.stride(0), total.stride(0),
-            tokens * n if splits else 0, eps,
-            HAS_RESIDUAL=residual is not None, SPLITS=splits, GATHER=False, **_row_shape(n),
-            **launch_options(x.device, pdl),
+            x, r, weight, out, total, out, out, out, pre_w, x.stride(-2), r.stride(0), out.stride(0), total.stride(0),
+            tokens * n if splits else 0, eps, pre_eps,
+            HAS_RESIDUAL=residual is not None, SPLITS=splits, GATHER=False, PRE_NORM=pre_norm is not None, FENCE=not INTERPRET,
+            **_row_shape(n), **launch_options(x.device, pdl),
         )  # fmt: skip
     return out if residual is None else (out, total)
 
@@ -168,7 +199,8 @@ def embed_rms_norm(
     rows = torch.empty_like(out)
     if tokens:
         _rms_norm_kernel[(tokens,)](
-            table, out, weight, out, rows, ids, pool, pool_index, table.stride(0), 0, out.stride(0), rows.stride(0),
-            0, eps, HAS_RESIDUAL=False, SPLITS=0, GATHER=True, **_row_shape(n), USE_PDL=False,
+            table, out, weight, out, rows, ids, pool, pool_index, weight, table.stride(0), 0, out.stride(0),
+            rows.stride(0), 0, eps, eps, HAS_RESIDUAL=False, SPLITS=0, GATHER=True, PRE_NORM=False, FENCE=False, **_row_shape(n),
+            USE_PDL=False,
         )  # fmt: skip
     return out, rows

@@ -11,10 +11,12 @@ What differs is the layer's flow ("sandwich" norms): attention and MLP outputs a
 normed before they join the residual stream,
     h = h + post_attention_norm(attn(input_norm(h)))
     h = h + post_feedforward_norm(mlp(pre_feedforward_norm(h)))
-Invariant: `after_attention` returns (post_feedforward_norm's output, the stream before it is
-added); the next layer's input norm (or the final norm) adds the two. Under tensor
-parallelism the post norms sum the row-parallel partial sums first, so what this layer hands
-on is already summed (`output_summed`): the next norm must not sum it again.
+Invariant: `after_attention` returns (the MLP's output with post_feedforward_norm pending,
+the stream before it is added); the next layer's input norm (or the final norm) applies the
+pending norm and adds the two, in one launch on one GPU (`layers.PendingNorm`), as the
+pre-feedforward norm does with the post-attention one. Under tensor parallelism the post
+norms sum the row-parallel partial sums first, so what this layer hands on carries its own
+sum (`output_summed`): the next norm must not sum it again.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from collections.abc import Iterator
 
 import torch
 
-from nanoserve.distributed import SINGLE, TPGroup
+from nanoserve.distributed import TPGroup
 from nanoserve.models.decoder import AttentionInputs, DecoderLayer
-from nanoserve.models.layers import RMSNorm
+from nanoserve.models.layers import PendingNorm, RMSNorm
 from nanoserve.models.model_config import ModelConfig
 
 # A multimodal `gemma3` checkpoint's tensors outside the text decoder (not loaded: nanoserve
@@ -63,18 +65,18 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.post_feedforward_layernorm = RMSNorm(h, eps, offset)
 
     def before_attention(self, positions, hidden, residual, rotary, kv_sink=None) -> AttentionInputs:
-        """Input norm (adding the previous layer's output, already summed, to the stream; the
-        first layer starts the stream with the embedding) and the attention inputs."""
+        """Input norm (after the previous layer's pending post-feedforward norm and its add to
+        the stream; the first layer starts the stream with the embedding) and the attention
+        inputs."""
         if residual is None:
             hidden, residual = self.input_layernorm.start_stream(hidden, reduce_over=self.tp)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         return self.attention_inputs(positions, hidden, residual, rotary, kv_sink)
 
-    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the MLP's normed output, summed over the group, and the stream it joins)."""
+    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[PendingNorm, torch.Tensor]:
+        """(the MLP's output with its post-feedforward norm pending, and the stream it joins)."""
         hidden = self.self_attn.after_attention(attn_out)
-        hidden = self.post_attention_layernorm(hidden, reduce_over=self.tp)
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual, reduce_over=SINGLE)
-        hidden = self.mlp(hidden)
-        return self.post_feedforward_layernorm(hidden, reduce_over=self.tp), residual
+        attended = PendingNorm(hidden, self.post_attention_layernorm, self.tp)
+        hidden, residual = self.pre_feedforward_layernorm(attended, residual)
+        return PendingNorm(self.mlp(hidden), self.post_feedforward_layernorm, self.tp), residual
